@@ -1,0 +1,137 @@
+"""Device and interpreter facts shared by every op, and the device helpers every kernel uses.
+
+Host side: whether kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``), which device a
+tensor lives on, how many SMs it has, and whether it is a Hopper part.
+
+Device side (``@triton.jit`` helpers imported by kernels):
+
+- ``dot(a, b, acc)``: ``tl.dot`` on a GPU. Under the interpreter with triton 3.9, ``tl.dot`` on bf16
+  operands returns garbage, so there (and only there) bf16 operands are widened to fp32 first; the
+  products of two bf16 values are exact in fp32, so the result is what a bf16 tensor core computes.
+- ``offset_i64(index, stride)``: ``index * stride`` in int64, for any address that can pass 2^31
+  elements (paged KV caches, large batched strides).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def is_interpreter() -> bool:
+    """True when Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Read once at import: triton's interpreter itself reads the variable at import time too.
+INTERPRET = tl.constexpr(is_interpreter())
+
+# Programs per "SM" under the interpreter: small, so persistent loops still visit several tiles each.
+INTERPRETER_SM_COUNT = 4
+
+
+def default_device() -> torch.device:
+    """The device a user's tensors normally live on: CUDA if present, else CPU (interpreter)."""
+    if torch.cuda.is_available() and not is_interpreter():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_runnable(device: torch.device, name: str = "input") -> None:
+    """Raise unless kernels can run on ``device``: CUDA, or CPU under the interpreter."""
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and is_interpreter():
+        return
+    raise ValueError(
+        f"{name} is on {device}; tilekernels runs on CUDA tensors, or on CPU tensors only under the "
+        "Triton interpreter (set TRITON_INTERPRET=1 before importing triton)"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_props(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def sm_count(device: torch.device) -> int:
+    """Number of streaming multiprocessors (a small stand-in under the interpreter)."""
+    if device.type != "cuda":
+        return INTERPRETER_SM_COUNT
+    return _cuda_props(device.index if device.index is not None else torch.cuda.current_device()).multi_processor_count
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability; (0, 0) on the CPU interpreter."""
+    if device.type != "cuda":
+        return (0, 0)
+    props = _cuda_props(device.index if device.index is not None else torch.cuda.current_device())
+    return (props.major, props.minor)
+
+
+def is_hopper(device: torch.device) -> bool:
+    return capability(device)[0] == 9
+
+
+def device_name(device: torch.device | None = None) -> str:
+    """Readable device name, 'cpu-interpreter' on the CPU."""
+    device = device or default_device()
+    if device.type != "cuda":
+        return "cpu-interpreter"
+    return _cuda_props(device.index if device.index is not None else torch.cuda.current_device()).name
+
+
+def device_slug(device: torch.device | None = None) -> str:
+    """Device name usable as a folder name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return "-".join(device_name(device).lower().replace("_", " ").split())
+
+
+def supports_tensor_descriptors(device: torch.device) -> bool:
+    """Host-side TMA tensor descriptors: Hopper or newer, and a triton that has them."""
+    if device.type != "cuda" or capability(device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """``acc + a @ b`` with fp32 (int32 for int8) accumulation; exact for bf16 under the interpreter."""
+    if INTERPRET:
+        if a.dtype == tl.bfloat16:
+            a = a.to(tl.float32)
+        if b.dtype == tl.bfloat16:
+            b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def offset_i64(index, stride):
+    """``index * stride`` in int64: use for any address that can pass 2^31 elements."""
+    return tl.cast(index, tl.int64) * stride
+
+
+@triton.jit
+def cast_for_store(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` rounding to nearest-even everywhere.
+
+    The interpreter (triton 3.9) truncates fp32 -> bf16 even when asked for "rtne", which doubles the
+    rounding error of every bf16 output on the CPU lane; there the rounding is done on the bits.
+    """
+    if INTERPRET:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)

@@ -1,0 +1,219 @@
+"""Triton bodies of the persistent GEMM. The host side (checks, configs, grid, autograd) is gemm.py.
+
+``gemm_kernel`` computes ``C = epilogue(A @ B)`` for A ``[M, K]`` and B ``[K, N]`` in any of the four
+layouts. Each program loops over work items chosen by ``scheduler.tile_coords``; per item it runs the
+K loop over its K-split into an fp32 (int32 for int8) accumulator and then either applies the fused
+epilogue and stores C, or, with ``SPLIT_K > 1``, stores the fp32 partial sum into a workspace
+``[SPLIT_K, M, N]`` that ``splitk_reduce_kernel`` adds up in a fixed order (so split-K is
+deterministic) before the same epilogue.
+
+Operand loads:
+- ``USE_TMA``: A and B arrive as host-built TMA tensor descriptors over their storage. A stored
+  column-major (``A_TRANS``) is described as the ``[K, M]`` tensor it really is and each ``[BK, BM]``
+  box is transposed in registers/shared memory (no copy in global memory); likewise B stored as
+  ``[N, K]`` (``B_TRANS``). Out-of-range rows and K columns are zero-filled by the copy engine.
+- otherwise plain pointer loads: rows past M and columns past N are clamped to row/column 0 (read but
+  never stored), and only the K tail is masked (``EVEN_K`` drops the mask).
+
+Epilogue order (DESIGN.md): ``acc*alpha*scale_a*scale_b + bias -> activation -> * mul... ->
++ beta*residual -> cast``. Every ``[M, N]``-shaped epilogue operand is addressed through its strides,
+so broadcast views (stride 0) cost no copy; row offsets are 64-bit.
+"""
+
+import triton
+import triton.language as tl
+
+from .._runtime import cast_for_store, dot, offset_i64
+from .scheduler import tile_coords
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1): saturates cleanly to +-1 (exp overflow gives inf -> 1, underflow -> -1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "gelu":
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        x = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif ACTIVATION == "silu":
+        x = x / (1.0 + tl.exp(-x))
+    return x
+
+
+@triton.jit
+def _load_mn(ptr, offs_m, offs_n, mask, stride_m, stride_n):
+    return tl.load(ptr + offset_i64(offs_m, stride_m)[:, None] + offset_i64(offs_n, stride_n)[None, :],
+                   mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def epilogue_store(acc, c_ptr, stride_cm, stride_cn, offs_m, offs_n, M, N, alpha, beta,
+                   scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+                   bias_ptr, stride_bias_m, stride_bias_n,
+                   mul0_ptr, stride_mul0_m, stride_mul0_n,
+                   mul1_ptr, stride_mul1_m, stride_mul1_n,
+                   res_ptr, stride_res_m, stride_res_n,
+                   HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
+                   NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr):
+    """Apply the fused epilogue to one ``[BM, BN]`` accumulator tile and store it into C."""
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    if OUT_IS_INT:
+        out = acc
+    else:
+        out = acc.to(tl.float32)
+        if HAS_ALPHA:
+            out = out * alpha
+        if HAS_SCALE_A:
+            scale_a = tl.load(scale_a_ptr + offs_m * stride_scale_a, mask=mask_m, other=0.0)
+            out = out * scale_a.to(tl.float32)[:, None]
+        if HAS_SCALE_B:
+            scale_b = tl.load(scale_b_ptr + offs_n * stride_scale_b, mask=mask_n, other=0.0)
+            out = out * scale_b.to(tl.float32)[None, :]
+        if HAS_BIAS:
+            if BIAS_IS_ROW:
+                bias = tl.load(bias_ptr + offs_n * stride_bias_n, mask=mask_n, other=0.0)
+                out = out + bias.to(tl.float32)[None, :]
+            else:
+                out = out + _load_mn(bias_ptr, offs_m, offs_n, mask, stride_bias_m, stride_bias_n)
+        out = apply_activation(out, ACTIVATION)
+        if NUM_MUL >= 1:
+            out = out * _load_mn(mul0_ptr, offs_m, offs_n, mask, stride_mul0_m, stride_mul0_n)
+        if NUM_MUL >= 2:
+            out = out * _load_mn(mul1_ptr, offs_m, offs_n, mask, stride_mul1_m, stride_mul1_n)
+        if HAS_RESIDUAL:
+            out = out + beta * _load_mn(res_ptr, offs_m, offs_n, mask, stride_res_m, stride_res_n)
+    c_ptrs = c_ptr + offset_i64(offs_m, stride_cm)[:, None] + offset_i64(offs_n, stride_cn)[None, :]
+    tl.store(c_ptrs, cast_for_store(out, c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gemm_kernel(
+    a, b, c, partials,
+    M, N, K, k_per_split, num_programs,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+    alpha, beta,
+    scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+    bias_ptr, stride_bias_m, stride_bias_n,
+    mul0_ptr, stride_mul0_m, stride_mul0_n,
+    mul1_ptr, stride_mul1_m, stride_mul1_n,
+    res_ptr, stride_res_m, stride_res_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_TMA: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, EVEN_K: tl.constexpr,
+    ACC_INT: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
+    NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tiles_m * tiles_n * SPLIT_K
+    acc_dtype = tl.int32 if ACC_INT else tl.float32
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # The epilogue recomputes its tile from its own counter: with FLATTEN the compiler fuses the K
+    # loop with the tile loop, and this keeps the epilogue's indices off the pipelined loop's path.
+    tile_id_c = pid - num_programs
+    for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n, pid_k = tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        k_start = pid_k * k_per_split
+        k_end = min(K, k_start + k_per_split)
+        k_tiles = tl.cdiv(k_end - k_start, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+        if USE_TMA:
+            for ki in range(k_tiles):
+                off_k = k_start + ki * BLOCK_K
+                if A_TRANS:
+                    a_tile = a.load([off_k, off_m]).T
+                else:
+                    a_tile = a.load([off_m, off_k])
+                if B_TRANS:
+                    b_tile = b.load([off_n, off_k]).T
+                else:
+                    b_tile = b.load([off_k, off_n])
+                acc = dot(a_tile, b_tile, acc)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+        else:
+            offs_am = off_m + tl.arange(0, BLOCK_M)
+            offs_bn = off_n + tl.arange(0, BLOCK_N)
+            offs_am = tl.where(offs_am < M, offs_am, 0)
+            offs_bn = tl.where(offs_bn < N, offs_bn, 0)
+            a_ptrs = (a + offset_i64(offs_am, stride_am)[:, None]
+                      + offset_i64(k_start + offs_k, stride_ak)[None, :])
+            b_ptrs = (b + offset_i64(k_start + offs_k, stride_bk)[:, None]
+                      + offset_i64(offs_bn, stride_bn)[None, :])
+            for ki in range(k_tiles):
+                if EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                    b_tile = tl.load(b_ptrs)
+                else:
+                    k_left = k_end - k_start - ki * BLOCK_K
+                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                    b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                acc = dot(a_tile, b_tile, acc)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
+
+        tile_id_c += num_programs
+        pid_m, pid_n, pid_k = tile_coords(tile_id_c, tiles_m, tiles_n, GROUP_M)
+        offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT_K > 1:
+            mask = (offs_cm < M)[:, None] & (offs_cn < N)[None, :]
+            p_ptrs = (partials + offset_i64(pid_k, M) * N + offset_i64(offs_cm, N)[:, None]
+                      + offs_cn[None, :])
+            tl.store(p_ptrs, acc, mask=mask)
+        else:
+            epilogue_store(acc, c, stride_cm, stride_cn, offs_cm, offs_cn, M, N, alpha, beta,
+                           scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+                           bias_ptr, stride_bias_m, stride_bias_n,
+                           mul0_ptr, stride_mul0_m, stride_mul0_n,
+                           mul1_ptr, stride_mul1_m, stride_mul1_n,
+                           res_ptr, stride_res_m, stride_res_n,
+                           HAS_ALPHA, HAS_SCALE_A, HAS_SCALE_B, HAS_BIAS, BIAS_IS_ROW, ACTIVATION,
+                           NUM_MUL, HAS_RESIDUAL, OUT_IS_INT)
+
+
+@triton.jit
+def splitk_reduce_kernel(
+    partials, c, M, N, stride_cm, stride_cn,
+    alpha, beta,
+    scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+    bias_ptr, stride_bias_m, stride_bias_n,
+    mul0_ptr, stride_mul0_m, stride_mul0_n,
+    mul1_ptr, stride_mul1_m, stride_mul1_n,
+    res_ptr, stride_res_m, stride_res_n,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
+    NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
+):
+    """Sum the split-K partials in split order (bit-reproducible), then the epilogue."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    p_ptrs = partials + offset_i64(offs_m, N)[:, None] + offs_n[None, :]
+    acc = tl.load(p_ptrs, mask=mask, other=0)
+    for s in range(1, SPLIT_K):
+        acc += tl.load(p_ptrs + offset_i64(s, M) * N, mask=mask, other=0)
+    epilogue_store(acc, c, stride_cm, stride_cn, offs_m, offs_n, M, N, alpha, beta,
+                   scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+                   bias_ptr, stride_bias_m, stride_bias_n,
+                   mul0_ptr, stride_mul0_m, stride_mul0_n,
+                   mul1_ptr, stride_mul1_m, stride_mul1_n,
+                   res_ptr, stride_res_m, stride_res_n,
+                   HAS_ALPHA, HAS_SCALE_A, HAS_SCALE_B, HAS_BIAS, BIAS_IS_ROW, ACTIVATION,
+                   NUM_MUL, HAS_RESIDUAL, OUT_IS_INT)

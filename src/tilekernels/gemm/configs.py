@@ -1,0 +1,147 @@
+"""Launch configurations for the persistent GEMM, as data.
+
+``select_config(M, N, K, dtype, device)`` picks a ``GemmConfig`` by a deterministic heuristic: a table
+of measured winners per architecture and shape class (``TUNED``), falling back to rules of thumb.
+Tests and the benchmark sweep override it with ``tk.gemm(..., config=GemmConfig(...))`` or the
+``override_config`` context manager; ``candidate_configs`` lists what the sweep tries.
+
+Why these shapes: on Hopper a 128x256x64 bf16 tile with 8 warps (two warpgroups) and 3-4 stages keeps
+wgmma fed from TMA; skinny problems (small M) are bandwidth-bound on B, so they want many programs
+along N (small BLOCK_N) and, when even that leaves SMs idle, split-K.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from .._runtime import capability, cdiv, sm_count
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    # Load A/B tiles through host-built TMA tensor descriptors (Hopper+, aligned strides only).
+    use_tma: bool = False
+    # Warp-specialised persistent loop (producer/consumer warps), where the triton build supports it.
+    warp_specialize: bool = False
+    # Let the compiler fuse the tile loop with the K loop, so the next tile's loads overlap this
+    # tile's epilogue.
+    flatten: bool = True
+    # Programs resident per SM for the persistent grid.
+    programs_per_sm: int = 1
+
+    def describe(self) -> str:
+        extra = (("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
+                 + ("" if self.flatten else "+noflat") + (f"+p{self.programs_per_sm}" if self.programs_per_sm > 1 else ""))
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} "
+                f"s{self.num_stages}{extra}")
+
+
+_override: list[GemmConfig] = []
+
+
+@contextlib.contextmanager
+def override_config(config: GemmConfig):
+    """Force ``config`` for every tk.gemm call inside the block (tests, sweeps)."""
+    _override.append(config)
+    try:
+        yield config
+    finally:
+        _override.pop()
+
+
+def _interpreter_config(M: int, N: int, K: int) -> GemmConfig:
+    # Small tiles keep the CPU interpreter quick and make odd shapes straddle several tiles.
+    return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
+
+
+def _tile_count(M: int, N: int, cfg: GemmConfig) -> int:
+    return cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+
+
+# Measured winners on Hopper (H100/H200), keyed by shape class; see benchmarks/RESULTS.md.
+TUNED_HOPPER_16BIT = {
+    "large": GemmConfig(128, 256, 64, 8, 8, 3, use_tma=True),
+    "medium": GemmConfig(128, 128, 64, 8, 8, 4, use_tma=True),
+    "skinny": GemmConfig(64, 128, 128, 8, 4, 4, use_tma=True),
+    "tiny": GemmConfig(16, 64, 256, 8, 4, 4, use_tma=True),
+}
+TUNED_HOPPER_FP32 = {
+    "large": GemmConfig(128, 128, 32, 8, 8, 3, use_tma=True),
+    "medium": GemmConfig(128, 128, 32, 8, 8, 3, use_tma=True),
+    "skinny": GemmConfig(64, 128, 32, 8, 4, 4, use_tma=True),
+    "tiny": GemmConfig(16, 64, 64, 8, 4, 4, use_tma=True),
+}
+
+
+def shape_class(M: int, N: int, K: int) -> str:
+    if M <= 32:
+        return "tiny"
+    if M <= 256:
+        return "skinny"
+    if M * N <= 4096 * 4096:
+        return "medium"
+    return "large"
+
+
+def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
+    """The launch config for one problem; an active ``override_config`` wins."""
+    if _override:
+        return _override[-1]
+    if device.type != "cuda":
+        return _interpreter_config(M, N, K)
+    major, _ = capability(device)
+    table = TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT
+    cfg = table[shape_class(M, N, K)]
+    if major < 9:
+        cfg = dataclasses.replace(cfg, use_tma=False, warp_specialize=False,
+                                  num_stages=min(cfg.num_stages, 3))
+    if dtype.itemsize == 1 and cfg.block_k < 128:
+        cfg = dataclasses.replace(cfg, block_k=128)
+    return cfg
+
+
+def auto_split_k(M: int, N: int, K: int, cfg: GemmConfig, device: torch.device) -> int:
+    """Split K when the output tiles cannot fill the machine and K is long enough to share.
+
+    Each split must keep at least four BLOCK_K steps so its own pipeline fills; the split count is the
+    smallest that gives every SM a tile, capped at 16.
+    """
+    tiles = _tile_count(M, N, cfg)
+    sms = sm_count(device)
+    if tiles >= sms // 2:
+        return 1
+    max_by_k = K // (4 * cfg.block_k)
+    if max_by_k < 2:
+        return 1
+    return int(max(1, min(16, max_by_k, cdiv(sms, tiles))))
+
+
+def candidate_configs(dtype: torch.dtype, device: torch.device) -> list[GemmConfig]:
+    """What ``python -m tilekernels bench gemm --sweep`` tries on this device."""
+    if device.type != "cuda":
+        return [_interpreter_config(64, 64, 64), GemmConfig(16, 32, 16, 1, 4, 1), GemmConfig(64, 32, 32, 4, 4, 1)]
+    tma = capability(device)[0] >= 9
+    bk = 32 if dtype == torch.float32 else (128 if dtype.itemsize == 1 else 64)
+    out = []
+    for bm, bn, warps in ((128, 256, 8), (256, 128, 8), (128, 128, 8), (128, 128, 4), (64, 128, 4),
+                          (64, 64, 4), (16, 64, 4), (16, 128, 4)):
+        for stages in (3, 4, 5):
+            if bm * bn >= 128 * 256 and stages > 4:
+                continue
+            for use_tma in ((True, False) if tma else (False,)):
+                out.append(GemmConfig(bm, bn, bk, 8, warps, stages, use_tma=use_tma))
+    for bm, bn, bk2 in ((16, 64, 2 * bk), (64, 128, 2 * bk), (128, 256, bk)):
+        out.append(GemmConfig(bm, bn, bk2, 8, 4 if bm < 128 else 8, 4, use_tma=tma))
+    if tma:
+        out.append(GemmConfig(128, 256, bk, 8, 8, 3, use_tma=True, warp_specialize=True))
+        out.append(GemmConfig(128, 128, bk, 8, 8, 4, use_tma=True, warp_specialize=True))
+    return out

@@ -90,6 +90,7 @@ def device_slug(device: torch.device | None = None) -> str:
     return "-".join(device_name(device).lower().replace("_", " ").split())
 
 
+@functools.lru_cache(maxsize=None)
 def supports_tensor_descriptors(device: torch.device) -> bool:
     """Host-side TMA tensor descriptors: Hopper or newer, and a triton that has them."""
     if device.type != "cuda" or capability(device)[0] < 9:
@@ -106,13 +107,33 @@ def cdiv(a: int, b: int) -> int:
 
 
 @triton.jit
+def round_to_tf32(x):
+    """Round fp32 to tf32 (10 mantissa bits) to nearest, ties away, as cuBLAS does.
+
+    Tensor cores read only the top 10 mantissa bits of an fp32 operand, i.e. they truncate; rounding
+    first halves the per-product error, which is what makes a tf32 product as accurate as cuBLAS's.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dot(a, b, acc):
-    """``acc + a @ b`` with fp32 (int32 for int8) accumulation; exact for bf16 under the interpreter."""
+    """``acc + a @ b`` with fp32 (int32 for int8) accumulation.
+
+    bf16 under the interpreter: widened to fp32 (exact products), since interpreted bf16 ``tl.dot`` is
+    wrong. fp32 on a GPU: tf32 tensor-core product of operands rounded to nearest tf32.
+    """
     if INTERPRET:
         if a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
         if b.dtype == tl.bfloat16:
             b = b.to(tl.float32)
+    else:
+        if a.dtype == tl.float32:
+            a = round_to_tf32(a)
+        if b.dtype == tl.float32:
+            b = round_to_tf32(b)
     return tl.dot(a, b, acc)
 
 

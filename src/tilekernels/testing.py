@@ -165,8 +165,8 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Te
     """Apply the rule: ``max|out - ref| <= ratio * max|torch_out - ref| + atol``, plus NaN/inf parity.
 
     ``ref`` is the fp64 reference, ``torch_out`` PyTorch's answer in the same low precision.
-    ``atol`` defaults to a floor of ``1e-6 * max|ref|`` (the rule must not demand better than exact
-    when PyTorch happens to be exact).
+    ``atol`` defaults to half a unit in the last place of the output dtype at ``max|ref|`` (the rule
+    must not demand better than one rounding when PyTorch happens to be exact somewhere).
     """
     if out.shape != ref.shape:
         raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}")
@@ -193,7 +193,12 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Te
     max_err = float(diff.max()) if diff.numel() else 0.0
     max_err_torch = float(diff_torch.max()) if diff_torch.numel() else 0.0
     ref_max = float(torch.where(finite, ref64.abs(), torch.zeros_like(ref64)).max()) if ref64.numel() else 0.0
-    floor = atol if atol is not None else 1e-6 * ref_max + 1e-12
+    if atol is not None:
+        floor = atol
+    elif out.dtype.is_floating_point:
+        floor = 0.5 * torch.finfo(out.dtype).eps * ref_max + 1e-30
+    else:
+        floor = 0.5
     ratio_measured = max_err / max(max_err_torch, floor)
     if diff.numel():
         flat = int(diff.argmax())

@@ -36,7 +36,7 @@ def _tanh(x):
 @triton.jit
 def apply_activation(x, ACTIVATION: tl.constexpr):
     if ACTIVATION == "relu":
-        x = tl.maximum(x, 0.0)
+        x = tl.where(x < 0.0, 0.0, x)  # NaN stays NaN (tl.maximum would drop it)
     elif ACTIVATION == "gelu":
         x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":

@@ -132,16 +132,20 @@ def candidate_configs(dtype: torch.dtype, device: torch.device) -> list[GemmConf
     tma = capability(device)[0] >= 9
     bk = 32 if dtype == torch.float32 else (128 if dtype.itemsize == 1 else 64)
     out = []
-    for bm, bn, warps in ((128, 256, 8), (256, 128, 8), (128, 128, 8), (128, 128, 4), (64, 128, 4),
-                          (64, 64, 4), (16, 64, 4), (16, 128, 4)):
-        for stages in (3, 4, 5):
-            if bm * bn >= 128 * 256 and stages > 4:
-                continue
-            for use_tma in ((True, False) if tma else (False,)):
-                out.append(GemmConfig(bm, bn, bk, 8, warps, stages, use_tma=use_tma))
-    for bm, bn, bk2 in ((16, 64, 2 * bk), (64, 128, 2 * bk), (128, 256, bk)):
-        out.append(GemmConfig(bm, bn, bk2, 8, 4 if bm < 128 else 8, 4, use_tma=tma))
+    # (block_m, block_n, block_k, num_warps, stages list)
+    shapes = [(128, 256, bk, 8, (3, 4)), (256, 128, bk, 8, (3, 4)), (128, 128, bk, 8, (4, 5)),
+              (128, 128, bk, 4, (4, 5, 6)), (64, 128, bk, 4, (4, 6)), (64, 256, bk, 4, (4,)),
+              (64, 64, bk, 4, (4, 6)), (16, 64, 2 * bk, 4, (4, 6)), (16, 128, 2 * bk, 4, (4, 6)),
+              (32, 64, 2 * bk, 4, (4, 6)), (64, 128, 2 * bk, 4, (4,))]
+    for bm, bn, bk2, warps, stages_list in shapes:
+        for stages in stages_list:
+            out.append(GemmConfig(bm, bn, bk2, 8, warps, stages, use_tma=tma))
     if tma:
-        out.append(GemmConfig(128, 256, bk, 8, 8, 3, use_tma=True, warp_specialize=True))
-        out.append(GemmConfig(128, 128, bk, 8, 8, 4, use_tma=True, warp_specialize=True))
+        out += [GemmConfig(128, 256, bk, 8, 8, 3, use_tma=True, warp_specialize=True),
+                GemmConfig(128, 256, bk, 8, 8, 4, use_tma=True, warp_specialize=True),
+                GemmConfig(128, 128, bk, 8, 8, 4, use_tma=True, warp_specialize=True),
+                GemmConfig(128, 128, bk, 8, 4, 5, use_tma=True, programs_per_sm=2),
+                GemmConfig(128, 256, bk, 8, 8, 4, use_tma=True, flatten=False),
+                GemmConfig(128, 256, bk, 8, 8, 3),
+                GemmConfig(128, 128, bk, 8, 4, 5)]
     return out

@@ -352,11 +352,11 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
     if isinstance(scale_b, numbers.Real):
         alpha, scale_b = alpha * float(scale_b), None
     split = _AUTO_SPLIT if split_k == "auto" else split_k
-    if torch.is_grad_enabled() and (activation is not None or mul or scale_a is not None or scale_b is not None):
-        tensors = (a, b, bias, residual, scale_a, scale_b, *mul)
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-            raise NotImplementedError("tk.gemm autograd covers alpha * a @ b + bias + beta * residual; "
-                                      "activation, mul and scales are forward-only")
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, bias, residual, scale_a, scale_b, *mul))
+    if needs_grad and (activation is not None or mul or scale_a is not None or scale_b is not None):
+        raise NotImplementedError("tk.gemm autograd covers alpha * a @ b + bias + beta * residual; "
+                                  "activation, mul and scales are forward-only")
     if config is not None:
         from .configs import override_config
 
@@ -364,6 +364,13 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
             return gemm(a, b, bias=bias, residual=residual, mul=mul, activation=activation, alpha=alpha,
                         beta=beta, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out,
                         split_k=split_k)
+    if not needs_grad and type(a) is torch.Tensor and not torch.compiler.is_compiling():
+        # Eager fast path: the same launch the custom op makes, minus ~45 us of dispatcher overhead
+        # per call (measured on an H100), which is as long as a whole skinny GEMM.
+        c = out if out is not None else torch.empty((a.shape[0], b.shape[1]), device=a.device,
+                                                    dtype=out_dtype or _default_out_dtype(a.dtype))
+        _launch(a, b, c, bias, residual, mul, activation, alpha, float(beta), scale_a, scale_b, split)
+        return c
     if out is not None:
         torch.ops.tilekernels.gemm_out(a, b, bias, residual, mul, activation, alpha, float(beta), scale_a,
                                        scale_b, split, out)

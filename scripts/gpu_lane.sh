@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# GPU lane for the device machine: info, GPU tests, check, bench (and, when asked, the config sweep).
+#
+#   scripts/gpu_lane.sh                      # info tests check bench
+#   scripts/gpu_lane.sh tests check          # only these steps, in this order
+#   scripts/gpu_lane.sh sweep                # launch-config sweep (SWEEP_SHAPES, SWEEP_BUDGET_S, SWEEP_ARGS)
+#   BENCH_ARGS="--shapes 8192x8192x8192" scripts/gpu_lane.sh bench
+#
+# Steps: info, tests (pytest -m gpu), check (python -m tilekernels check), bench (gemm, --out $OUT),
+# sweep (gemm --sweep, --out $OUT). Every step runs even after another failed; the exit status is
+# non-zero if any did. Only a few files come back from the device machine, so everything goes to
+# ${OUT:-/tmp/out} as at most six: lane.log (every step's output), gemm.{json,txt,png} from bench and
+# gemm-sweep.{json,txt} from sweep. Import the JSON here afterwards with
+#   python -m tilekernels bench --update-results <files_at>/gemm.json <files_at>/gemm-sweep.json
+set -o pipefail
+
+# NVLink multicast stays off on these machines (see DESIGN.md); source tree on the path, no buffering
+# so a step killed by a time limit still leaves its output in the log.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" || exit 2
+LOG="$OUT/lane.log"
+PY=${PYTHON:-python}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(info tests check bench)
+
+failed=()
+warned=()
+
+run_step() {
+    local name=$1
+    shift
+    local start=$SECONDS
+    echo "=== [$name] $* ($(date -u +%Y-%m-%dT%H:%M:%SZ))" | tee -a "$LOG"
+    "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    echo "=== [$name] exit $rc after $((SECONDS - start)) s" | tee -a "$LOG"
+    if [ "$name" = tests ] && [ "$rc" -eq 5 ]; then
+        warned+=("tests: pytest selected no tests (exit 5)")
+    elif [ "$rc" -ne 0 ]; then
+        failed+=("$name (exit $rc)")
+    fi
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        info)
+            run_step info "$PY" -m tilekernels info
+            if command -v nvidia-smi >/dev/null; then
+                # Clocks, power and temperature explain run-to-run noise in the timings.
+                run_step nvidia-smi nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,memory.used --format=csv
+            fi
+            ;;
+        tests)
+            run_step tests "$PY" -m pytest -m gpu tests -x -q
+            ;;
+        check)
+            run_step check "$PY" -m tilekernels check
+            ;;
+        bench)
+            # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
+            run_step bench "$PY" -m tilekernels bench gemm --out "$OUT" $BENCH_ARGS
+            ;;
+        sweep)
+            # shellcheck disable=SC2086
+            run_step sweep "$PY" -m tilekernels bench gemm --sweep --out "$OUT" \
+                ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} --budget-s "${SWEEP_BUDGET_S:-420}" $SWEEP_ARGS
+            ;;
+        *)
+            echo "=== unknown step '$step' (steps: info tests check bench sweep)" | tee -a "$LOG"
+            failed+=("$step (unknown step)")
+            ;;
+    esac
+done
+
+{
+    echo "=== lane summary: steps ${steps[*]}"
+    for w in "${warned[@]}"; do echo "    warning: $w"; done
+    if [ ${#failed[@]} -eq 0 ]; then
+        echo "    all steps passed"
+    else
+        for f in "${failed[@]}"; do echo "    FAILED: $f"; done
+    fi
+    echo "    files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+} | tee -a "$LOG"
+[ ${#failed[@]} -eq 0 ]

@@ -1,0 +1,39 @@
+"""The benchmark and check harness behind ``python -m tilekernels bench|check``.
+
+One module per op family, registered in ``OPS`` by name; adding an op is that module plus one line
+here. The harness (``harness.py``: timing, input rotation, rows, tables, plots; ``check.py``: the
+pass/fail runner; ``results.py``: ``benchmarks/RESULTS.md``) knows nothing op-specific. An op module
+provides:
+
+- ``NAME``: the op's name (the key in ``OPS``, the JSON file's stem).
+- ``check_cases(device) -> list[check.CheckCase]``: cases run against the op's reference, sized for
+  the device (real sizes on a GPU, small odd shapes on the CPU interpreter).
+- ``bench_cases(opts, device) -> list[harness.BenchCase]``: what ``bench OP`` times; ``opts`` is the
+  parsed command line (``harness.add_common_arguments`` plus the op's ``add_arguments``).
+- optional ``add_arguments(parser)``: op-specific ``bench`` options.
+- optional ``sweep(opts, device, run) -> list[row]``: ``bench OP --sweep`` (launch-config tuning).
+- optional ``anchor(row) -> (label, value) | None``: a published/measured reference figure
+  (ANCHORS.md) for the row's shape, compared in tables; ``ANCHOR_PROVIDER`` names the provider that
+  figure was measured for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# name -> module; the order is the order `check` and `bench` run them in.
+OPS: dict[str, str] = {
+    "gemm": "tilekernels.bench.gemm",
+}
+
+
+def op_names() -> list[str]:
+    return list(OPS)
+
+
+def load_op(name: str) -> ModuleType:
+    """The bench module of op ``name``; ValueError naming the registered ops otherwise."""
+    if name not in OPS:
+        raise ValueError(f"unknown op {name!r}; registered ops: {', '.join(OPS)}")
+    return importlib.import_module(OPS[name])

@@ -1,0 +1,683 @@
+"""Timing, input rotation, result rows, tables and plots shared by every op's benchmark.
+
+How a number is made (``run_case``):
+
+1. A case builds ``n`` independent random input sets (never zeros), ``n`` chosen so that the sets in
+   rotation hold at least twice the GPU's L2 (H100 50 MB, H200 60 MB), and at least two: consecutive
+   timed calls then never find their operands already in L2.
+2. Each provider is first run once and checked against the op's reference (``Accuracy``); a provider
+   that fails or raises is reported and *not timed*: a fast wrong answer is not a result.
+3. ``triton.testing.do_bench(fn, warmup=, rep=, quantiles=[0.2, 0.5, 0.8])`` times the provider, each
+   call taking the next input set. (Same signature in triton 3.6 and 3.9.)
+4. One long-format row per (case, provider): ``{op, provider, shape, dtype, layout, variant, metric,
+   p20, p50, p80, ms, gpu, torch, triton, tilekernels, commit, date, config, mode, run_id, ...}``.
+   ``p20/p50/p80`` are quantiles of the metric (TFLOP/s), so p20 comes from the *slower* 80th
+   percentile time; ``ms`` is the median time.
+
+Under the CPU interpreter the same path runs end to end at tiny shapes, timed with a wall clock: the
+figures then measure Python interpreting the kernel and say nothing about performance; every table
+says so, and such rows are not recorded unless ``--results-dir`` asks for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from .._runtime import device_name, device_slug
+
+OURS = "tilekernels"
+QUANTILES = (0.2, 0.5, 0.8)
+INTERPRETER_WARNING = ("CPU interpreter (TRITON_INTERPRET=1): timings measure Python interpreting the "
+                       "kernels, not a GPU; they are meaningless as performance figures.")
+
+DTYPES = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp8e4m3": torch.float8_e4m3fn,
+    "fp8e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+
+# Used when torch does not report the L2 size: the larger of the Hopper parts we run on (H200).
+FALLBACK_L2_BYTES = 60 * 2**20
+# Input sets in rotation may take at most this share of free GPU memory.
+ROTATION_MEMORY_FRACTION = 0.25
+MAX_ROTATION = 64
+
+
+class UsageError(ValueError):
+    """A bad command-line value (shape, variant, ...): reported as a usage error, not a traceback."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    return str(dtype).replace("torch.", "")
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    if text not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(DTYPES)}")
+    return DTYPES[text]
+
+
+def parse_shapes(text: str, names: Sequence[str] = ("M", "N", "K")) -> list[dict]:
+    """``"8192x8192x8192,16x8192x8192"`` -> ``[{"M": 8192, "N": 8192, "K": 8192}, ...]``."""
+    shapes = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        parts = item.lower().replace("×", "x").split("x")
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) != len(names) or any(v < 1 for v in values):
+            raise UsageError(f"shape {item!r}: expected {len(names)} positive integers joined by 'x' "
+                             f"({'x'.join(names)}), e.g. {'x'.join(['64'] * len(names))}")
+        shapes.append(dict(zip(names, values)))
+    if not shapes:
+        raise UsageError(f"no shapes in {text!r}")
+    return shapes
+
+
+def shape_label(shape: dict) -> str:
+    return "x".join(str(v) for v in shape.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# environment
+
+
+def repo_root() -> pathlib.Path | None:
+    """The checkout this package runs from (src layout), if it is one."""
+    for parent in pathlib.Path(__file__).resolve().parents:
+        if (parent / "pyproject.toml").is_file() and (parent / "src" / "tilekernels").is_dir():
+            return parent
+    return None
+
+
+def default_results_dir() -> pathlib.Path:
+    root = repo_root() or pathlib.Path.cwd()
+    return root / "benchmarks" / "results"
+
+
+def tilekernels_version() -> str:
+    try:
+        import tilekernels
+
+        version = getattr(tilekernels, "__version__", None)
+        if version:
+            return str(version)
+    except Exception:  # the harness must report even when the package's own import is broken
+        pass
+    try:
+        from importlib.metadata import version
+
+        return version("tilekernels")
+    except Exception:
+        return "unknown"
+
+
+def git_commit() -> str | None:
+    root = repo_root()
+    if root is None or not (root / ".git").exists():
+        return None
+    try:
+        result = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if result.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return result.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def environment(device: torch.device) -> dict:
+    import triton
+
+    return {
+        "gpu": device_name(device),
+        "gpu_slug": device_slug(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "tilekernels": tilekernels_version(),
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "interpreter": device.type != "cuda",
+    }
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or FALLBACK_L2_BYTES)
+
+
+def rotation_count(set_bytes: int, device: torch.device) -> int:
+    """How many input sets to rotate through: together >= 2x L2, at least 2, within a memory budget."""
+    if device.type != "cuda":
+        return 2
+    want = max(2, math.ceil(2 * l2_bytes(device) / max(set_bytes, 1)))
+    free, _ = torch.cuda.mem_get_info(device)
+    fits = int(ROTATION_MEMORY_FRACTION * free // max(set_bytes, 1))
+    return max(1, min(want, fits, MAX_ROTATION))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# cases, accuracy, timing
+
+
+@dataclasses.dataclass
+class Accuracy:
+    """Outcome of a provider's check against the op's reference (``testing.compare`` underneath)."""
+
+    passed: bool
+    ratio: float
+    detail: str
+
+
+@dataclasses.dataclass
+class BenchCase:
+    """One shape of one op, with the providers to time on it.
+
+    ``make_inputs(i)`` builds input set ``i`` on the device; every provider takes one set (a dict) and
+    returns the op's output. ``check(inputs, output, provider)`` compares an output with the reference.
+    ``flops`` is the work per call that the metric divides by; ``set_bytes`` sizes the rotation.
+    """
+
+    op: str
+    shape: dict
+    dtype: torch.dtype
+    variant: str
+    layout: str
+    flops: float
+    set_bytes: int
+    make_inputs: Callable[[int], dict]
+    providers: dict[str, Callable[[dict], torch.Tensor]]
+    check: Callable[[dict, torch.Tensor, str], Accuracy]
+    configs: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def label(self) -> str:
+        return f"{self.op} {shape_label(self.shape)} {self.variant} {dtype_name(self.dtype)} {self.layout}"
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: float, rep: float) -> list[float]:
+    """[p20, p50, p80] of ``fn``'s run time in milliseconds."""
+    if device.type == "cuda":
+        import triton.testing
+
+        times = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES))
+        return [float(t) for t in times]
+    # The interpreter has no device events; a wall clock over a few calls is all there is.
+    fn()
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    cuts = statistics.quantiles(samples, n=10, method="inclusive")
+    return [cuts[1], statistics.median(samples), cuts[7]]
+
+
+class Run:
+    """Rows, failures and notes of one ``bench`` invocation."""
+
+    def __init__(self, op: str, device: torch.device, mode: str):
+        self.op = op
+        self.device = device
+        self.mode = mode
+        self.env = environment(device)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self.date = now.isoformat(timespec="seconds")
+        self.run_id = now.strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+        self.rows: list[dict] = []
+        self.failures: list[str] = []
+        self.notes: list[str] = []
+
+    def fail(self, what: str, message: str) -> None:
+        line = f"FAIL {what}: {message}"
+        self.failures.append(line)
+        print(line, flush=True)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+        print(f"note: {message}", flush=True)
+
+    def row(self, case: BenchCase, provider: str, times: Sequence[float], config: str,
+            accuracy: Accuracy) -> dict:
+        ms20, ms50, ms80 = times
+        tflops = [case.flops / (t * 1e-3) / 1e12 for t in (ms80, ms50, ms20)]
+        row = {
+            "op": case.op,
+            "provider": provider,
+            "shape": dict(case.shape),
+            "dtype": dtype_name(case.dtype),
+            "layout": case.layout,
+            "variant": case.variant,
+            "metric": "tflops",
+            "p20": tflops[0],
+            "p50": tflops[1],
+            "p80": tflops[2],
+            "ms": ms50,
+            "config": config,
+            "accuracy_ratio": accuracy.ratio,
+            "mode": self.mode,
+            "run_id": self.run_id,
+            "date": self.date,
+            **{k: v for k, v in self.env.items() if k != "gpu_slug"},
+        }
+        self.rows.append(row)
+        return row
+
+
+def exception_text(exc: BaseException) -> str:
+    """One line per exception: its first line, and its last where the cause is (triton's compile errors
+    put the source excerpt first and the reason last)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1:
+        text += " ... " + lines[-1]
+    if len(text) > 400:
+        text = text[:400] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def _recover(device: torch.device) -> None:
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # a sticky CUDA error shows up again on the next call; nothing to do here
+            pass
+        torch.cuda.empty_cache()
+
+
+def build_inputs(case: BenchCase, run: Run) -> list[dict] | None:
+    n = rotation_count(case.set_bytes, run.device)
+    try:
+        sets = [case.make_inputs(i) for i in range(n)]
+    except torch.OutOfMemoryError as exc:
+        run.fail(case.label(), f"inputs do not fit in memory ({exception_text(exc)})")
+        _recover(run.device)
+        return None
+    synchronize(run.device)
+    return sets
+
+
+def measure(case: BenchCase, provider: str, fn: Callable[[dict], torch.Tensor], sets: list[dict], run: Run,
+            warmup: float, rep: float, config: str = "", failures_are_notes: bool = False) -> dict | None:
+    """Check ``fn`` on ``sets[0]``, then time it rotating through ``sets``; one row, or None."""
+    what = f"{case.label()} [{provider}{' ' + config if config else ''}]"
+
+    def complain(message: str) -> None:
+        # In a sweep, a config that cannot compile or launch is expected: a note, not a failure.
+        if failures_are_notes:
+            run.note(f"{what}: {message}")
+        else:
+            run.fail(what, message)
+
+    try:
+        out = fn(sets[0])
+        synchronize(run.device)
+        accuracy = case.check(sets[0], out, provider)
+        del out
+    except Exception as exc:
+        complain(f"raised {exception_text(exc)}")
+        _recover(run.device)
+        return None
+    if not accuracy.passed:
+        # A wrong answer is a failure even in a sweep: that config must never win.
+        run.fail(what, f"accuracy check failed, not timed: {accuracy.detail}")
+        return None
+    cycle = itertools.cycle(sets)
+    try:
+        times = time_ms(lambda: fn(next(cycle)), run.device, warmup, rep)
+    except Exception as exc:
+        complain(f"raised while timing {exception_text(exc)}")
+        _recover(run.device)
+        return None
+    return run.row(case, provider, times, config, accuracy)
+
+
+def run_case(case: BenchCase, run: Run, warmup: float, rep: float) -> None:
+    sets = build_inputs(case, run)
+    if sets is None:
+        return
+    for provider, fn in case.providers.items():
+        row = measure(case, provider, fn, sets, run, warmup, rep, case.configs.get(provider, ""))
+        if row is not None:
+            print(f"  {case.label()} {provider:>14}: {format_value(row['p50'])} TFLOP/s "
+                  f"({row['ms']:.4g} ms, check ratio {row['accuracy_ratio']:.2f})", flush=True)
+    del sets
+    _recover(run.device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tables
+
+
+def format_value(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.3g}"
+
+
+def format_table(headers: Sequence[str], body: Sequence[Sequence[str]], markdown: bool = False,
+                 left: int = 1) -> str:
+    """Aligned text or a GitHub markdown table: the first ``left`` columns (labels) aligned left, the
+    others (numbers) right."""
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |",
+                 "|" + "|".join(["---"] * left + ["---:"] * (len(headers) - left)) + "|"]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines)
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *body)]
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i < left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule] + [line(cells) for cells in body])
+
+
+def geomean(values: Iterable[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def _ratio_summary(name: str, ratios: dict[str, float], scope: str) -> str | None:
+    if not ratios:
+        return None
+    worst = min(ratios, key=ratios.get)
+    return (f"{name}: geomean {geomean(ratios.values()):.3f} over {len(ratios)} {scope} shape(s), "
+            f"min {ratios[worst]:.3f} at {worst}")
+
+
+def report(rows: Sequence[dict], op_module=None, markdown: bool = False,
+           interpreter_note: bool = True) -> str:
+    """Tables of one run's rows: one table per (variant, dtype, layout), ours first, then ratios.
+
+    Ratio columns are ``ours/<provider>`` for every other provider in the table; where the op module
+    has an ``anchor`` figure for a shape, ``ours/anchor`` and ``<ANCHOR_PROVIDER>/anchor`` follow (the
+    latter tells how this machine compares with the one the anchor was measured on).
+    """
+    anchor_fn = getattr(op_module, "anchor", None)
+    anchor_provider = getattr(op_module, "ANCHOR_PROVIDER", None)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["variant"], r["dtype"], r["layout"]), []).append(r)
+    blocks = []
+    if interpreter_note and any(r.get("interpreter") for r in rows):
+        blocks.append(("> " if markdown else "") + INTERPRETER_WARNING)
+    for (op, variant, dtype, layout), group in groups.items():
+        providers = list(dict.fromkeys(r["provider"] for r in group))
+        if OURS in providers:
+            providers.remove(OURS)
+            providers.insert(0, OURS)
+        others = [p for p in providers if p != OURS] if OURS in providers else []
+        cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
+        shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
+        anchors: dict[str, tuple[str, float]] = {}
+        if anchor_fn is not None:
+            for r in group:
+                found = anchor_fn(r)
+                if found is not None:
+                    anchors[shape_label(r["shape"])] = found
+        headers = ["shape (MxNxK)" if op == "gemm" else "shape"] + [f"{p}" for p in providers]
+        headers += [f"ours/{p}" for p in others]
+        anchor_label = next(iter(anchors.values()))[0] if anchors else None
+        if anchors:
+            headers += [anchor_label, "ours/anchor"]
+            if anchor_provider in providers:
+                headers.append(f"{anchor_provider}/anchor")
+        ratios: dict[str, dict[str, float]] = {p: {} for p in others}
+        anchor_ratios: dict[str, float] = {}
+        body = []
+        for s in shapes:
+            line = [s] + [format_value(cells[(s, p)]["p50"]) if (s, p) in cells else "-" for p in providers]
+            ours = cells.get((s, OURS))
+            for p in others:
+                if ours is not None and (s, p) in cells:
+                    ratios[p][s] = ours["p50"] / cells[(s, p)]["p50"]
+                    line.append(f"{ratios[p][s]:.3f}")
+                else:
+                    line.append("-")
+            if anchors:
+                if s in anchors:
+                    value = anchors[s][1]
+                    line.append(format_value(value))
+                    if ours is not None:
+                        anchor_ratios[s] = ours["p50"] / value
+                    line.append(f"{anchor_ratios[s]:.3f}" if s in anchor_ratios else "-")
+                    if anchor_provider in providers:
+                        base = cells.get((s, anchor_provider))
+                        line.append(f"{base['p50'] / value:.3f}" if base else "-")
+                else:
+                    line += ["-"] * (3 if anchor_provider in providers else 2)
+            body.append(line)
+        title = f"{op} · {variant} · {dtype} · {layout} — TFLOP/s (median)"
+        summary = []
+        for p in others:
+            if anchors:
+                at_anchors = {s: v for s, v in ratios[p].items() if s in anchors}
+                summary.append(_ratio_summary(f"ours/{p}", at_anchors, "anchor"))
+            summary.append(_ratio_summary(f"ours/{p}", ratios[p], "measured"))
+        if anchor_ratios:
+            summary.append(_ratio_summary(f"ours/{anchor_label}", anchor_ratios, "anchor"))
+        gpus = {r["gpu"] for r in group}
+        if anchors and not any("H100" in g for g in gpus):
+            summary.append("anchor figures were measured on an H100; this run is on "
+                           + ", ".join(sorted(gpus)))
+        summary = [s for s in summary if s]
+        text = ("#### " if markdown else "") + title + "\n\n" + format_table(headers, body, markdown)
+        if summary:
+            text += "\n\n" + "\n".join(("- " if markdown else "  ") + s for s in summary)
+        blocks.append(text)
+    return "\n\n".join(blocks)
+
+
+# ----------------------------------------------------------------------------------------------------
+# files
+
+
+def read_rows(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text() or "[]")
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of rows, found {type(data).__name__}")
+    return data
+
+
+def write_rows(path: pathlib.Path, rows: Sequence[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(list(rows), indent=1) + "\n")
+    os.replace(tmp, path)  # a crash mid-write must not truncate the accumulated history
+
+
+def append_rows(path: pathlib.Path, rows: Sequence[dict]) -> int:
+    """Append ``rows`` to the JSON list at ``path`` (created with its folders), skipping rows already
+    there (same run_id, provider, shape, variant, dtype, layout, config). Returns how many were added."""
+    existing = read_rows(path)
+    seen = {_row_key(r) for r in existing}
+    new = [r for r in rows if _row_key(r) not in seen]
+    if new or not path.exists():
+        write_rows(path, existing + new)
+    return len(new)
+
+
+def _row_key(r: dict) -> tuple:
+    return (r.get("run_id"), r.get("op"), r.get("provider"), json.dumps(r.get("shape"), sort_keys=True),
+            r.get("variant"), r.get("dtype"), r.get("layout"), r.get("config"))
+
+
+def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
+    """Bar chart of TFLOP/s per shape and provider, one panel per table; returns what happened."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: PNG skipped (pip install matplotlib, or the [bench] extra)"
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["dtype"], r["layout"]), []).append(r)
+    if not groups:
+        return "no rows: PNG skipped"
+    fig, axes = plt.subplots(len(groups), 1, figsize=(11, 3.6 * len(groups)), squeeze=False)
+    for ax, ((variant, dtype, layout), group) in zip(axes[:, 0], groups.items()):
+        providers = list(dict.fromkeys(r["provider"] for r in group))
+        shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
+        cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
+        width = 0.8 / len(providers)
+        for i, p in enumerate(providers):
+            xs = [j + i * width for j, s in enumerate(shapes) if (s, p) in cells]
+            p50 = [cells[(s, p)]["p50"] for s in shapes if (s, p) in cells]
+            lo = [cells[(s, p)]["p50"] - cells[(s, p)]["p20"] for s in shapes if (s, p) in cells]
+            hi = [cells[(s, p)]["p80"] - cells[(s, p)]["p50"] for s in shapes if (s, p) in cells]
+            ax.bar(xs, p50, width, yerr=[lo, hi], label=p, capsize=2)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels(shapes, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("TFLOP/s (p20-p50-p80)")
+        ax.set_title(f"{variant} · {dtype} · {layout}", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def write_outputs(out_dir: pathlib.Path, stem: str, rows: Sequence[dict], text: str, title: str,
+                  plot: bool = True) -> list[str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    messages = []
+    write_rows(out_dir / f"{stem}.json", rows)
+    messages.append(f"wrote {out_dir / (stem + '.json')} ({len(rows)} rows)")
+    (out_dir / f"{stem}.txt").write_text(text + "\n")
+    messages.append(f"wrote {out_dir / (stem + '.txt')}")
+    if plot:
+        messages.append(plot_rows(rows, out_dir / f"{stem}.png", title))
+    return messages
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", help="comma-separated shapes, e.g. 8192x8192x8192,16x8192x8192 "
+                                         "(gemm: MxNxK); default: the op's standard set")
+    parser.add_argument("--dtype", type=parse_dtype, default=torch.bfloat16,
+                        help=f"input dtype: {', '.join(DTYPES)} (default bf16)")
+    parser.add_argument("--providers", help="comma-separated providers to time (default: all the op has)")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="do_bench warmup in ms (default 50; sweep 10)")
+    parser.add_argument("--rep", type=float, default=None,
+                        help="do_bench repetition time in ms (default 200; sweep 30)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time every candidate launch config per shape instead of the default one")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="sweep: stop starting new configs after this many seconds (default 480)")
+    parser.add_argument("--top", type=int, default=5, help="sweep: configs listed per shape (default 5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    parser.add_argument("--out", type=pathlib.Path,
+                        help="also write this run's rows (.json), table (.txt) and plot (.png) here")
+    parser.add_argument("--results-dir", type=pathlib.Path,
+                        help="append rows to RESULTS_DIR/<device>/<op>.json and regenerate the RESULTS.md "
+                             "beside it (default on a GPU: benchmarks/results; under the interpreter rows "
+                             "are not recorded unless this is given)")
+    parser.add_argument("--no-record", action="store_true", help="do not append rows to the results folder")
+
+
+def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
+    """``bench OP``: time, print, write, record. Returns the exit status (1 if anything failed)."""
+    from . import results
+
+    sweep = bool(opts.sweep)
+    if sweep and not hasattr(op_module, "sweep"):
+        print(f"{op_module.NAME} has no --sweep")
+        return 2
+    if opts.warmup is None:
+        opts.warmup = 10.0 if sweep else 50.0
+    if opts.rep is None:
+        opts.rep = 30.0 if sweep else 200.0
+    run = Run(op_module.NAME, device, "sweep" if sweep else "bench")
+    env = run.env
+    header = [f"tilekernels bench {op_module.NAME}{' --sweep' if sweep else ''} on {env['gpu']} — {run.date}",
+              (f"torch {env['torch']} · triton {env['triton']} · tilekernels {env['tilekernels']}"
+               f"{' · commit ' + env['commit'] if env['commit'] else ''} · run {run.run_id}")]
+    if device.type == "cuda":
+        header.append(f"do_bench warmup {opts.warmup:g} ms, rep {opts.rep:g} ms; inputs rotate through >= 2x "
+                      f"L2 ({l2_bytes(device) / 2**20:.0f} MiB); TFLOP/s = 2*M*N*K / median time")
+    else:
+        header.append(INTERPRETER_WARNING)
+    print("\n".join(header), flush=True)
+
+    if sweep:
+        text = op_module.sweep(opts, device, run)
+    else:
+        for case in op_module.bench_cases(opts, device):
+            run_case(case, run, opts.warmup, opts.rep)
+        text = report(run.rows, op_module, interpreter_note=False)  # the header says it already
+    footer = []
+    if run.notes:
+        footer.append("notes:\n" + "\n".join(f"  {n}" for n in run.notes))
+    if run.failures:
+        footer.append(f"{len(run.failures)} failure(s):\n" + "\n".join(f"  {f}" for f in run.failures))
+    full = "\n\n".join(["\n".join(header), text or "(no rows)"] + footer)
+    # A sweep prints its tables as it goes (a killed run still leaves them in the log).
+    print("\n" + "\n\n".join(([] if sweep else [text or "(no rows)"]) + footer), flush=True)
+
+    stem = op_module.NAME + ("-sweep" if sweep else "")
+    if opts.out is not None:
+        title = f"tilekernels {op_module.NAME} on {env['gpu']}, {run.date}"
+        if device.type != "cuda":
+            title += " (CPU interpreter: timings meaningless)"
+        for message in write_outputs(opts.out, stem, run.rows, full, title, plot=not sweep):
+            print(message)
+    results_dir = opts.results_dir
+    if results_dir is None and device.type == "cuda":
+        results_dir = default_results_dir()
+    if results_dir is not None and not opts.no_record and run.rows:
+        path = results_dir / env["gpu_slug"] / f"{op_module.NAME}.json"
+        added = append_rows(path, run.rows)
+        print(f"appended {added} rows to {path}")
+        md = results.write_results_md(results_dir)
+        print(f"regenerated {md}")
+    elif device.type != "cuda" and results_dir is None:
+        print("rows not recorded (CPU interpreter); pass --results-dir to record them anyway")
+    return 1 if run.failures else 0

@@ -1,0 +1,71 @@
+"""Test-suite set-up shared by every tilekernels test.
+
+- Without a CUDA GPU, kernels run on CPU tensors under Triton's interpreter, which triton reads when
+  it is imported: so ``TRITON_INTERPRET=1`` is set here, before any test module imports triton
+  (``import torch`` alone does not import triton; this is checked, not assumed).
+- ``device`` fixture: ``cuda`` when kernels run on the GPU, else ``cpu`` (interpreter).
+- Markers: ``gpu`` and ``multigpu`` tests are skipped without CUDA (multigpu also without two GPUs);
+  ``slow`` tests are skipped in the CPU lane unless selected with ``-m`` (pyproject's contract).
+- Every test starts from a seed derived from its node id, so it is reproducible alone or in a run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import sys
+import zlib
+
+import numpy
+import pytest
+
+_SRC = pathlib.Path(__file__).resolve().parent.parent / "src"
+if _SRC.is_dir() and str(_SRC) not in sys.path:
+    # The test command runs from a plain checkout; PYTHONPATH=src is not required.
+    sys.path.insert(0, str(_SRC))
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    if "triton" in sys.modules:
+        raise pytest.UsageError(
+            "triton was imported before tests/conftest.py could set TRITON_INTERPRET=1; run the CPU lane "
+            "as `TRITON_INTERPRET=1 python -m pytest ...`"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+# A GPU machine may still run the interpreter lane when asked to with TRITON_INTERPRET=1.
+ON_GPU = HAS_CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    marker_expr = config.getoption("-m", default="") or ""
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (kernels run on the CPU interpreter here)")
+    skip_multigpu = pytest.mark.skip(reason="needs at least two CUDA GPUs")
+    skip_slow = pytest.mark.skip(reason="slow: skipped in the CPU lane unless selected with -m slow")
+    for item in items:
+        if item.get_closest_marker("gpu") and not ON_GPU:
+            item.add_marker(skip_gpu)
+        if item.get_closest_marker("multigpu") and not (ON_GPU and torch.cuda.device_count() >= 2):
+            item.add_marker(skip_multigpu)
+        if item.get_closest_marker("slow") and not ON_GPU and "slow" not in marker_expr:
+            item.add_marker(skip_slow)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where test tensors live: the current CUDA device, or the CPU under the interpreter."""
+    if ON_GPU:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed)
+    torch.manual_seed(seed)
+    numpy.random.seed(seed)

@@ -1,0 +1,766 @@
+"""tk.gemm against its fp64 reference, by the error-ratio rule of ``tilekernels.testing``.
+
+CPU lane (no marker; runs under ``TRITON_INTERPRET=1``, the whole file in under a minute on two cores):
+small odd shapes that straddle tiles, every layout and dtype, each epilogue alone and combined,
+``out=`` into poisoned strided buffers, split-K, autograd, torch.compile and argument checks.
+
+GPU lane (``-m gpu``): the same checks at real sizes, every candidate and tuned config, tf32,
+skinny split-K, CUDA graph capture, >2^31-element operands.
+
+Ids read ``LAYOUT-DTYPE-MxNxK``: layout ``RC`` means A row-major, B column-major (a transposed view).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+import tilekernels as tk
+from tilekernels._runtime import supports_tensor_descriptors
+from tilekernels.gemm.configs import (
+    TUNED_HOPPER_16BIT,
+    TUNED_HOPPER_FP32,
+    GemmConfig,
+    auto_split_k,
+    candidate_configs,
+    override_config,
+    select_config,
+)
+from tilekernels.testing import (
+    ACTIVATIONS,
+    assert_close,
+    poisoned,
+    random_matrix,
+    random_tensor,
+    reference_gemm,
+)
+
+LAYOUTS = ("RR", "RC", "CR", "CC")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+gpu = pytest.mark.gpu
+
+# The interpreter evaluates saturating exp()s and NaN/inf inputs in numpy, which warns about what the
+# kernels mean to do.
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
+
+def operands(M, N, K, dtype, layout, device, *, unit=False):
+    """A ``[M, K]`` and B ``[K, N]``; a ``C`` in ``layout`` makes that operand a transposed view.
+    ``unit=True`` scales A by 1/sqrt(K) so that the products are about N(0, 1): activations are then
+    tested where they bend, not only where they saturate."""
+    a = random_matrix(M, K, dtype, device, column_major=layout[0] == "C", scale=K ** -0.5 if unit else 1.0)
+    b = random_matrix(K, N, dtype, device, column_major=layout[1] == "C")
+    return a, b
+
+
+def check(name, out, a, b, *, ratio=2.0, **epilogue):
+    """Assert ``out`` is ``reference_gemm(a, b, **epilogue)`` by the error-ratio rule; right shape and
+    dtype too."""
+    M, N = a.shape[0], b.shape[1]
+    assert tuple(out.shape) == (M, N), f"{name}: shape {tuple(out.shape)} != {(M, N)}"
+    expected_dtype = epilogue.get("out_dtype") or a.dtype
+    assert out.dtype == expected_dtype, f"{name}: dtype {out.dtype} != {expected_dtype}"
+    assert out.device == a.device
+    ref = reference_gemm(a, b, **epilogue)
+    torch_out = reference_gemm(a, b, compute_dtype=None, **epilogue)
+    return assert_close(name, out, ref, torch_out, ratio=ratio)
+
+
+@contextlib.contextmanager
+def allow_tf32():
+    """Torch's own fp32 GEMMs as tf32, the precision tk.gemm computes fp32 in on a GPU."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def case_id(layout, dtype, M, N, K):
+    return f"{layout}-{DTYPE_NAMES[dtype]}-M{M}N{N}K{K}"
+
+
+def grid(layouts, dtypes, shapes, marks=()):
+    return [pytest.param(lo, DTYPES[dt], M, N, K, id=case_id(lo, DTYPES[dt], M, N, K), marks=marks)
+            for (M, N, K) in shapes for dt in dtypes for lo in layouts]
+
+
+def epilogue_operands(kind, M, N, dtype, device):
+    """Epilogue keyword arguments by name; every tensor random (never zeros)."""
+    def t(*shape):
+        return random_tensor(shape, dtype, device)
+
+    if kind == "bias_n":
+        return {"bias": t(N)}
+    if kind == "bias_mn":
+        return {"bias": t(M, N)}
+    if kind in ACTIVATIONS:
+        return {"activation": kind}
+    if kind == "mul1":
+        return {"mul": (t(M, N),)}
+    if kind == "mul2":
+        return {"mul": (t(M, N), t(M, N))}
+    if kind == "residual":
+        return {"residual": t(M, N)}
+    if kind == "residual_beta":
+        return {"residual": t(M, N), "beta": -0.75}
+    if kind == "alpha":
+        return {"alpha": 0.3}
+    if kind == "scales":
+        return {"scale_a": random_tensor((M,), torch.float32, device),
+                "scale_b": random_tensor((N,), torch.float32, device)}
+    if kind == "out_dtype":
+        return {"out_dtype": torch.float32 if dtype != torch.float32 else torch.bfloat16}
+    if kind == "broadcast":
+        # [1, N] and [M, 1] operands are read through stride-0 views; a column-major residual too.
+        return {"bias": t(M, 1), "mul": (t(1, N),), "residual": t(N, M).t()}
+    if kind == "all":
+        return {"bias": t(N), "activation": "gelu_tanh", "mul": (t(M, N), t(M, N)),
+                "residual": t(N, M).t(), "alpha": 0.5, "beta": 1.5}
+    if kind == "all_fp32_out":
+        return {"bias": t(M, N), "activation": "silu", "mul": (t(M, N),), "residual": t(M, N),
+                "alpha": -1.25, "beta": 0.5, "scale_b": random_tensor((N,), torch.float32, device),
+                "out_dtype": torch.float32 if dtype != torch.float32 else torch.float16}
+    raise ValueError(kind)
+
+
+EPILOGUES = ("bias_n", "bias_mn", *ACTIVATIONS, "mul1", "mul2", "residual", "residual_beta", "alpha",
+             "scales", "out_dtype", "broadcast", "all", "all_fp32_out")
+
+
+def strided_out(M, N, dtype, device, kind):
+    """A poisoned ``[M, N]`` output view that is not a plain contiguous tensor, and its base."""
+    if kind == "col":
+        base = poisoned((N, M), dtype, device)
+        return base.t(), base
+    if kind == "padded":
+        base = poisoned((M + 3, N + 5), dtype, device)
+        return base[1:M + 1, 2:N + 2], base
+    if kind == "step":
+        base = poisoned((M, 2 * N), dtype, device)
+        return base[:, ::2], base
+    raise ValueError(kind)
+
+
+def check_out_view(name, out, base, result):
+    """``result`` is ``out`` itself, and nothing of ``base`` outside the view was written."""
+    same = result.data_ptr() == out.data_ptr() and result.stride() == out.stride()
+    assert same, f"{name}: the result is not out"
+    written = torch.zeros(base.shape, dtype=torch.bool, device=base.device)
+    written.as_strided(out.shape, out.stride(), out.storage_offset() - base.storage_offset()).fill_(True)
+    stray = int((~torch.isnan(base[~written])).sum())
+    assert stray == 0, f"{name}: wrote {stray} elements outside out"
+
+
+# ====================================================================================================
+# CPU lane
+
+
+SMALL_SHAPES = [(37, 53, 71), (65, 33, 130)]
+EDGE_SHAPES = [(1, 1, 1), (1, 53, 71), (37, 1, 71), (37, 53, 1), (3, 2, 67)]
+
+
+@pytest.mark.parametrize("layout, dtype, M, N, K", grid(LAYOUTS, DTYPES, SMALL_SHAPES))
+def test_layouts(layout, dtype, M, N, K, device):
+    a, b = operands(M, N, K, dtype, layout, device)
+    check(case_id(layout, dtype, M, N, K), tk.gemm(a, b), a, b)
+
+
+@pytest.mark.parametrize("layout, dtype, M, N, K", grid(LAYOUTS, DTYPES, EDGE_SHAPES))
+def test_edge_shapes(layout, dtype, M, N, K, device):
+    """1x1x1 and single-row/column/K problems; with M or N == 1 a 'column-major' view's strides are
+    ambiguous (stride 1 both ways), which a layout check must not trip over."""
+    a, b = operands(M, N, K, dtype, layout, device)
+    out = poisoned((M, N), dtype, device)
+    result = tk.gemm(a, b, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    check(case_id(layout, dtype, M, N, K), out, a, b)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("kind", EPILOGUES)
+def test_epilogue(kind, dtype, layout, device):
+    M, N, K = 37, 53, 71
+    a, b = operands(M, N, K, dtype, layout, device, unit=True)
+    epilogue = epilogue_operands(kind, M, N, dtype, device)
+    check(f"{kind}-{case_id(layout, dtype, M, N, K)}", tk.gemm(a, b, **epilogue), a, b, **epilogue)
+
+
+@pytest.mark.parametrize("kind", ["all", "all_fp32_out", "broadcast", "bias_mn"])
+@pytest.mark.parametrize("M, N, K", [pytest.param(M, N, K, id=f"M{M}N{N}K{K}")
+                                     for M, N, K in [(1, 1, 1), (1, 40, 33), (40, 1, 33), (40, 33, 1)]])
+def test_epilogue_edge_shapes(kind, M, N, K, device):
+    a, b = operands(M, N, K, torch.bfloat16, "CR", device)
+    epilogue = epilogue_operands(kind, M, N, torch.bfloat16, device)
+    out_dtype = epilogue.get("out_dtype") or torch.bfloat16
+    out = poisoned((M, N), out_dtype, device)
+    tk.gemm(a, b, out=out, **epilogue)
+    check(f"{kind}-M{M}N{N}K{K}", out, a, b, **epilogue)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_after_bias(activation, device):
+    """Pre-activations about N(0, 2) in fp32, so each activation's curve (not its asymptotes) is what is
+    compared; the bias shifts columns across the bend, so bias-after-activation would show."""
+    M, N, K = 33, 40, 20
+    a, b = operands(M, N, K, torch.float32, "RR", device, unit=True)
+    bias = random_tensor((N,), torch.float32, device)
+    out = tk.gemm(a, b, bias=bias, activation=activation)
+    check(activation, out, a, b, bias=bias, activation=activation)
+
+
+@pytest.mark.parametrize("out_kind", ["col", "padded", "step"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_out_strided_poisoned(out_kind, dtype, device):
+    M, N, K = 37, 53, 45
+    a, b = operands(M, N, K, dtype, "RC", device)
+    epilogue = {"bias": random_tensor((N,), dtype, device), "activation": "relu",
+                "residual": random_tensor((M, N), dtype, device)}
+    out, base = strided_out(M, N, dtype, device, out_kind)
+    result = tk.gemm(a, b, out=out, **epilogue)
+    check_out_view(out_kind, out, base, result)
+    check(f"out-{out_kind}", out, a, b, **epilogue)
+
+
+def test_out_with_out_dtype(device):
+    M, N, K = 29, 31, 40
+    a, b = operands(M, N, K, torch.bfloat16, "CR", device)
+    out, base = strided_out(M, N, torch.float32, device, "col")
+    result = tk.gemm(a, b, out=out, out_dtype=torch.float32, alpha=2.0)
+    check_out_view("out_dtype", out, base, result)
+    check("out_dtype", out, a, b, out_dtype=torch.float32, alpha=2.0)
+
+
+def test_padded_leading_dimension_inputs(device):
+    """Row-major operands whose row stride exceeds their width (slices of a bigger matrix)."""
+    M, N, K = 37, 29, 50
+    a = random_tensor((M + 2, K + 7), torch.float16, device)[1:M + 1, 3:K + 3]
+    b = random_tensor((N + 5, K + 3), torch.float16, device)[2:N + 2, :K].t()
+    check("padded-inputs", tk.gemm(a, b), a, b)
+
+
+def test_general_strided_input_is_correct_or_refused(device):
+    """A view that is neither row- nor column-major: a right answer, or a clear error naming it."""
+    M, N, K = 20, 24, 30
+    a = random_tensor((M, 2 * K), torch.float32, device)[:, ::2]
+    b = random_matrix(K, N, torch.float32, device)
+    try:
+        out = tk.gemm(a, b)
+    except (ValueError, TypeError) as err:
+        assert "a" in str(err).split(), f"error does not name 'a': {err}"
+    else:
+        check("strided-a", out, a, b)
+
+
+# small configs: several tiles per persistent program (4 programs under the interpreter) and edge tiles
+# in M, N and K at once
+EXPLICIT_CONFIGS = [
+    pytest.param(GemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1), id="16x16x16-g2"),
+    pytest.param(GemmConfig(32, 16, 32, group_m=1, num_warps=4, num_stages=1), id="32x16x32-g1"),
+    pytest.param(GemmConfig(16, 64, 16, group_m=4, num_warps=4, num_stages=2), id="16x64x16-g4"),
+]
+
+
+@pytest.mark.parametrize("config", EXPLICIT_CONFIGS)
+@pytest.mark.parametrize("layout", ["RR", "CC"])
+def test_explicit_config(config, layout, device):
+    M, N, K = 37, 53, 71  # 3x4 (16x16) tiles for 4 programs; K tail of 7 for BLOCK_K 16 and 32
+    a, b = operands(M, N, K, torch.float16, layout, device)
+    epilogue = {"bias": random_tensor((N,), torch.float16, device), "activation": "silu"}
+    out = poisoned((M, N), torch.float16, device)
+    tk.gemm(a, b, config=config, out=out, **epilogue)
+    check(f"{config.describe()}-{layout}", out, a, b, **epilogue)
+    with override_config(config):
+        again = tk.gemm(a, b, **epilogue)
+    assert torch.equal(again, out), "override_config and config= disagree"
+
+
+def test_candidate_configs(device):
+    """Every config the sweep would try on this device, on one small odd shape (the GPU lane has a
+    bigger one, with the tuned configs too)."""
+    M, N, K = 45, 70, 41
+    a, b = operands(M, N, K, torch.float32, "RC", device)
+    failures = []
+    for cfg in candidate_configs(torch.float32, device):
+        out = poisoned((M, N), torch.float32, device)
+        tk.gemm(a, b, config=cfg, out=out)
+        try:
+            check(cfg.describe(), out, a, b)
+        except AssertionError as err:
+            failures.append(str(err))
+    assert not failures, "\n".join(failures)
+
+
+SPLIT_CASES = [
+    # (split_k, layout, dtype, M, N, K)
+    (2, "RR", "fp32", 37, 53, 130),
+    (3, "CR", "bf16", 37, 20, 200),
+    (3, "RC", "fp16", 9, 45, 20),    # more splits than K blocks: collapsed or empty splits add nothing
+    ("auto", "CC", "bf16", 17, 29, 2111),  # one or two output tiles, long K: auto splits (CPU and GPU)
+]
+
+
+@pytest.mark.parametrize("split_k, layout, dtype, M, N, K", [
+    pytest.param(s, lo, DTYPES[dt], M, N, K, id=f"split{s}-{case_id(lo, DTYPES[dt], M, N, K)}")
+    for s, lo, dt, M, N, K in SPLIT_CASES])
+def test_split_k(split_k, layout, dtype, M, N, K, device):
+    """Split-K with a non-linear epilogue (which must see the full sum, once) into a poisoned out."""
+    if split_k == "auto":
+        cfg = select_config(M, N, K, dtype, device)
+        assert auto_split_k(M, N, K, cfg, device) > 1, "auto must split here"
+    a, b = operands(M, N, K, dtype, layout, device)
+    epilogue = {"bias": random_tensor((N,), dtype, device), "activation": "gelu",
+                "residual": random_tensor((M, N), dtype, device), "beta": 0.5, "alpha": 1.5}
+    out = poisoned((M, N), dtype, device)
+    tk.gemm(a, b, out=out, split_k=split_k, **epilogue)
+    check(f"split{split_k}", out, a, b, **epilogue)
+    again = tk.gemm(a, b, split_k=split_k, **epilogue)
+    assert torch.equal(again, out), "split-K not bit-identical run to run"
+
+
+def test_split_k_with_config(device):
+    """Split-K over several 16x16 tiles per program, K tail inside the last split."""
+    M, N, K = 30, 40, 100
+    a, b = operands(M, N, K, torch.float32, "CC", device)
+    epilogue = {"mul": (random_tensor((M, N), torch.float32, device),), "activation": "relu"}
+    cfg = GemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1)
+    out = poisoned((M, N), torch.float32, device)
+    tk.gemm(a, b, split_k=4, config=cfg, out=out, **epilogue)
+    check("split4-16x16x16", out, a, b, **epilogue)
+
+
+def test_determinism_split_auto(device):
+    M, N, K = 20, 24, 2111
+    a, b = operands(M, N, K, torch.bfloat16, "RR", device)
+    first = tk.gemm(a, b, split_k="auto")
+    for _ in range(2):
+        assert torch.equal(tk.gemm(a, b, split_k="auto"), first)
+    check("auto", first, a, b)
+
+
+@pytest.mark.parametrize("split_k", [1, 2], ids=["split1", "split2"])
+@pytest.mark.parametrize("activation", [None, *ACTIVATIONS], ids=str)
+def test_nan_inf_propagate(activation, split_k, device):
+    """A NaN in A poisons its row, an inf in B its column (inf, or NaN where signs meet), through the
+    bias and the activation exactly as in PyTorch: relu(NaN) is NaN, not 0."""
+    M, N, K = 21, 34, 40
+    a, b = operands(M, N, K, torch.float32, "RC", device)
+    a[5, 7] = float("nan")
+    b[3, 30] = float("inf")
+    bias = random_tensor((N,), torch.float32, device)
+    out = poisoned((M, N), torch.float32, device)
+    tk.gemm(a, b, bias=bias, activation=activation, out=out, split_k=split_k)
+    check(f"nan-inf-{activation}-split{split_k}", out, a, b, bias=bias, activation=activation)
+
+
+def check_autograd(name, a, b, bias, grad):
+    """Gradients of ``tk.gemm(a, b, bias=bias)`` for a, b and bias, each by the error-ratio rule against
+    fp64 autograd and PyTorch's own autograd in the same precision (tf32 for fp32 on a GPU)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (a, b, bias)]
+    out = tk.gemm(leaves[0], leaves[1], bias=leaves[2])
+    grads = torch.autograd.grad(out, leaves, grad)
+    check(f"fwd-{name}", out.detach(), a, b, bias=bias)
+
+    def torch_grads(cast):
+        xs = [cast(t.detach()).requires_grad_() for t in (a, b, bias)]
+        return torch.autograd.grad(xs[0] @ xs[1] + xs[2], xs, cast(grad))
+
+    ref = torch_grads(lambda t: t.to(device="cpu", dtype=torch.float64))
+    with allow_tf32():
+        low = torch_grads(lambda t: t.clone())
+    for label, g, leaf, r, lo in zip(("grad_a", "grad_b", "grad_bias"), grads, leaves, ref, low):
+        assert g.shape == leaf.shape and g.dtype == leaf.dtype, f"{label}: {g.shape} {g.dtype}"
+        assert_close(f"{label}-{name}", g, r, lo)
+
+
+@pytest.mark.parametrize("layout", ["RR", "CC", "RC"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_autograd(layout, dtype, device):
+    M, N, K = 23, 37, 45
+    a, b = operands(M, N, K, dtype, layout, device)
+    bias = random_tensor((N,), dtype, device)
+    grad = random_tensor((M, N), dtype, device)
+    check_autograd(case_id(layout, dtype, M, N, K), a, b, bias, grad)
+
+
+def test_autograd_partial(device):
+    """Only b needs a gradient (a frozen input), and alpha/residual scale what flows back."""
+    M, N, K = 19, 26, 33
+    a, b = operands(M, N, K, torch.float32, "RR", device)
+    residual = random_tensor((M, N), torch.float32, device)
+    b_leaf = b.clone().requires_grad_()
+    res_leaf = residual.clone().requires_grad_()
+    out = tk.gemm(a, b_leaf, alpha=0.5, residual=res_leaf, beta=-2.0)
+    grad = random_tensor((M, N), torch.float32, device)
+    gb, gres = torch.autograd.grad(out, (b_leaf, res_leaf), grad)
+    b64 = b.double().requires_grad_()
+    r64 = residual.double().requires_grad_()
+    rb, rres = torch.autograd.grad(0.5 * a.double() @ b64 - 2.0 * r64, (b64, r64), grad.double())
+    lb_leaf = b.clone().requires_grad_()
+    lr_leaf = residual.clone().requires_grad_()
+    lb, lres = torch.autograd.grad(0.5 * a @ lb_leaf - 2.0 * lr_leaf, (lb_leaf, lr_leaf), grad)
+    assert_close("grad_b", gb, rb, lb)
+    assert_close("grad_residual", gres, rres, lres)
+
+
+def test_autograd_with_activation_is_refused(device):
+    a, b = operands(8, 8, 8, torch.float32, "RR", device)
+    with pytest.raises(NotImplementedError, match="activation"):
+        tk.gemm(a.requires_grad_(), b, activation="relu")
+
+
+def test_custom_op_registration(device):
+    """Schema, fake (meta) implementation and autograd registration agree with the real kernel."""
+    M, N, K = 13, 21, 18
+    a, b = operands(M, N, K, torch.float32, "RC", device)
+    bias = random_tensor((N,), torch.float32, device)
+    args = (a, b, bias, None, [], "gelu", 1.0, 1.0, None, None, torch.float32, 1)
+    torch.library.opcheck(torch.ops.tilekernels.gemm, args,
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    out = poisoned((M, N), torch.float32, device)
+    torch.library.opcheck(torch.ops.tilekernels.gemm_out,
+                          (a, b, bias, None, [], None, 1.0, 1.0, None, None, 1, out),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+class GatedBlock(torch.nn.Module):
+    """``silu(x @ W1 + b1) * (x @ W3) + x``: two tk.gemm calls and a fused multi-D epilogue."""
+
+    def __init__(self, width, dtype, device):
+        super().__init__()
+        def frozen(t):
+            return torch.nn.Parameter(t, requires_grad=False)
+
+        self.w1 = frozen(random_matrix(width, width, dtype, device, scale=0.1))
+        self.b1 = frozen(random_tensor((width,), dtype, device))
+        self.w3 = frozen(random_matrix(width, width, dtype, device, scale=0.1, column_major=True))
+
+    def forward(self, x):
+        up = tk.gemm(x, self.w3)
+        return tk.gemm(x, self.w1, bias=self.b1, activation="silu", mul=(up,), residual=x)
+
+    def reference(self, x, compute_dtype):
+        up = reference_gemm(x, self.w3, compute_dtype=compute_dtype)
+        up = up if compute_dtype is None else up.to(x.dtype)  # the eager block rounds `up` to x's dtype
+        return reference_gemm(x, self.w1, bias=self.b1, activation="silu", mul=(up,), residual=x,
+                              compute_dtype=compute_dtype)
+
+
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+    block = GatedBlock(48, torch.float32, device)
+    x = random_tensor((19, 48), torch.float32, device)
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(x)
+        eager = block(x)
+    assert torch.equal(out, eager), "compiled and eager tk.gemm disagree"
+    assert_close("compiled", out, block.reference(x, torch.float64), block.reference(x, None))
+
+
+def test_torch_compile_out_and_autograd(device):
+    """The out= variant (a mutating op) and the backward pass under fullgraph compile."""
+    torch._dynamo.reset()
+    M, N, K = 17, 24, 32
+    a, b = operands(M, N, K, torch.float32, "RR", device)
+    bias = random_tensor((N,), torch.float32, device)
+
+    def step(a, b, bias, out):
+        tk.gemm(a, b, bias=bias, out=out, alpha=0.5)
+        y = tk.gemm(a, b, bias=bias)
+        return y.square().sum(), out * 2
+
+    a_leaf, b_leaf, bias_leaf = (t.clone().requires_grad_() for t in (a, b, bias))
+    out = poisoned((M, N), torch.float32, device)
+    loss, doubled = torch.compile(step, fullgraph=True)(a_leaf, b_leaf, bias_leaf, out)
+    loss.backward()
+    check("compiled-out", out, a, b, bias=bias, alpha=0.5)
+    assert torch.equal(doubled, out * 2)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in (a, b, bias)]
+    (ref_leaves[0] @ ref_leaves[1] + ref_leaves[2]).square().sum().backward()
+    low_leaves = [t.detach().clone().requires_grad_() for t in (a, b, bias)]
+    (low_leaves[0] @ low_leaves[1] + low_leaves[2]).square().sum().backward()
+    for label, leaf, r, lo in zip(("grad_a", "grad_b", "grad_bias"), (a_leaf, b_leaf, bias_leaf), ref_leaves,
+                                  low_leaves):
+        assert_close(f"compiled-{label}", leaf.grad, r.grad, lo.grad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad inputs: a ValueError or TypeError that names the argument (not a Triton error, not a wrong answer)
+
+
+def _bad_cases():
+    """Builders taking the test's device; each returns (a, b, kwargs)."""
+    f16, f64 = torch.float16, torch.float64
+
+    M, N, K = 6, 5, 4
+    ok_a, ok_b = (lambda t: t(M, K)), (lambda t: t(K, N))
+    cases = {
+        # id: (builder(t) -> (a, b, kwargs), what the message must name); t(*shape, dtype=) makes tensors
+        "K-mismatch": (lambda t: (t(M, K), t(K + 1, N), {}), r"\bK\b"),
+        "mixed-dtypes": (lambda t: (t(M, K, dtype=f16), t(K, N, dtype=torch.bfloat16), {}), r"\bb\b"),
+        "mixed-devices": (lambda t: (t(M, K), t(K, N).to("meta"), {}), r"\bb\b"),
+        "a-3d": (lambda t: (t(2, M, K), ok_b(t), {}), r"\ba\b"),
+        "b-1d": (lambda t: (ok_a(t), t(K), {}), r"\bb\b"),
+        "a-float64": (lambda t: (t(M, K, dtype=f64), t(K, N, dtype=f64), {}), r"\ba\b.*dtype"),
+        "a-int32": (lambda t: (t(M, K).to(torch.int32), t(K, N).to(torch.int32), {}), r"\ba\b.*dtype"),
+        "not-a-tensor": (lambda t: (ok_a(t).tolist(), ok_b(t), {}), r"\ba\b"),
+        "bias-wrong-N": (lambda t: (ok_a(t), ok_b(t), {"bias": t(N + 1)}), r"\bbias\b"),
+        "bias-M-vector": (lambda t: (ok_a(t), ok_b(t), {"bias": t(M)}), r"\bbias\b"),
+        "bias-wrong-MN": (lambda t: (ok_a(t), ok_b(t), {"bias": t(M, N + 1)}), r"\bbias\b"),
+        "bias-3d": (lambda t: (ok_a(t), ok_b(t), {"bias": t(1, M, N)}), r"\bbias\b"),
+        "bias-device": (lambda t: (ok_a(t), ok_b(t), {"bias": t(N).to("meta")}), r"\bbias\b"),
+        "residual-shape": (lambda t: (ok_a(t), ok_b(t), {"residual": t(N, M)}), r"\bresidual\b"),
+        "mul-shape": (lambda t: (ok_a(t), ok_b(t), {"mul": (t(M, N), t(M + 1, N))}), r"\bmul"),
+        "mul-three": (lambda t: (ok_a(t), ok_b(t), {"mul": (t(M, N),) * 3}), r"\bmul\b"),
+        "mul-bare-tensor": (lambda t: (ok_a(t), ok_b(t), {"mul": t(M, N)}), r"\bmul\b"),
+        "activation": (lambda t: (ok_a(t), ok_b(t), {"activation": "tanh"}), r"\bactivation\b"),
+        "out-shape": (lambda t: (ok_a(t), ok_b(t), {"out": t(N, M)}), r"\bout\b"),
+        "out-dtype-clash": (lambda t: (ok_a(t), ok_b(t), {"out": t(M, N), "out_dtype": f16}), r"\bout"),
+        "out-float64": (lambda t: (ok_a(t), ok_b(t), {"out": t(M, N, dtype=torch.float64)}), r"\bout\b"),
+        "out-overlapping": (lambda t: (ok_a(t), ok_b(t), {"out": t(1, N).expand(M, N)}), r"\bout\b"),
+        "out_dtype-int64": (lambda t: (ok_a(t), ok_b(t), {"out_dtype": torch.int64}), r"\bout_dtype\b"),
+        "split_k-0": (lambda t: (ok_a(t), ok_b(t), {"split_k": 0}), r"\bsplit_k\b"),
+        "split_k-negative": (lambda t: (ok_a(t), ok_b(t), {"split_k": -2}), r"\bsplit_k\b"),
+        "split_k-float": (lambda t: (ok_a(t), ok_b(t), {"split_k": 2.0}), r"\bsplit_k\b"),
+        "split_k-string": (lambda t: (ok_a(t), ok_b(t), {"split_k": "max"}), r"\bsplit_k\b"),
+        "split_k-bool": (lambda t: (ok_a(t), ok_b(t), {"split_k": True}), r"\bsplit_k\b"),
+        "scale_a-shape": (lambda t: (ok_a(t), ok_b(t), {"scale_a": t(M + 1)}), r"\bscale_a\b"),
+        "scale_b-shape": (lambda t: (ok_a(t), ok_b(t), {"scale_b": t(M)}), r"\bscale_b\b"),
+        "alpha-string": (lambda t: (ok_a(t), ok_b(t), {"alpha": "2"}), r"\balpha\b"),
+        "out_dtype-string": (lambda t: (ok_a(t), ok_b(t), {"out_dtype": "bf16"}), r"\bout_dtype\b"),
+        "config-type": (lambda t: (ok_a(t), ok_b(t), {"config": (64, 64, 32)}), r"\bconfig\b"),
+    }
+    return [pytest.param(build, match, id=name) for name, (build, match) in cases.items()]
+
+
+@pytest.mark.parametrize("build, match", _bad_cases())
+def test_bad_input(build, match, device):
+    def t(*shape, dtype=torch.float32):
+        return random_tensor(shape, dtype, device)
+
+    a, b, kwargs = build(t)
+    with pytest.raises((ValueError, TypeError), match=match):
+        tk.gemm(a, b, **kwargs)
+
+
+# ====================================================================================================
+# GPU lane (-m gpu): real sizes, every config, what only a GPU shows
+
+
+GPU_SHAPES = [(1, 1, 1), (37, 53, 71), (1, 4096, 4096), (4096, 1, 4096), (1000, 2000, 3001),
+              (2048, 2048, 2048)]
+
+
+@gpu
+@pytest.mark.parametrize("layout, dtype, M, N, K", grid(LAYOUTS, DTYPES, GPU_SHAPES))
+def test_gpu_layouts(layout, dtype, M, N, K, device):
+    a, b = operands(M, N, K, dtype, layout, device)
+    out = poisoned((M, N), dtype, device)
+    tk.gemm(a, b, out=out)
+    check(case_id(layout, dtype, M, N, K), out, a, b)
+    check(case_id(layout, dtype, M, N, K) + "-alloc", tk.gemm(a, b), a, b)
+
+
+@gpu
+@pytest.mark.parametrize("layout, dtype, M, N, K", grid(("RR", "CC"), ("bf16",), [(4096, 4096, 4096)]))
+def test_gpu_large(layout, dtype, M, N, K, device):
+    a, b = operands(M, N, K, dtype, layout, device)
+    check(case_id(layout, dtype, M, N, K), tk.gemm(a, b), a, b)
+
+
+@gpu
+@pytest.mark.parametrize("kind", EPILOGUES)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_gpu_epilogue(kind, dtype, device):
+    M, N, K = 777, 1025, 1537
+    for layout in ("RR", "CC"):
+        a, b = operands(M, N, K, dtype, layout, device, unit=True)
+        epilogue = epilogue_operands(kind, M, N, dtype, device)
+        check(f"{kind}-{case_id(layout, dtype, M, N, K)}", tk.gemm(a, b, **epilogue), a, b, **epilogue)
+
+
+@gpu
+@pytest.mark.parametrize("out_kind", ["col", "padded", "step"])
+def test_gpu_out_strided_poisoned(out_kind, device):
+    M, N, K = 1000, 2000, 3001
+    a, b = operands(M, N, K, torch.bfloat16, "RC", device)
+    epilogue = epilogue_operands("all", M, N, torch.bfloat16, device)
+    out, base = strided_out(M, N, torch.bfloat16, device, out_kind)
+    result = tk.gemm(a, b, out=out, **epilogue)
+    check_out_view(out_kind, out, base, result)
+    check(f"out-{out_kind}", out, a, b, **epilogue)
+
+
+@gpu
+@pytest.mark.parametrize("M", [16, 64, 128])
+@pytest.mark.parametrize("split_k", [1, "auto", 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_skinny(M, split_k, dtype, device):
+    N, K = 4096, 8192
+    if split_k == "auto" and M == 16 and dtype == torch.bfloat16:
+        cfg = select_config(M, N, K, dtype, device)
+        assert auto_split_k(M, N, K, cfg, device) > 1, "auto must split here"
+    a, b = operands(M, N, K, dtype, "RC", device)
+    epilogue = {"bias": random_tensor((N,), dtype, device), "activation": "gelu_tanh",
+                "residual": random_tensor((M, N), dtype, device)}
+    out = poisoned((M, N), dtype, device)
+    tk.gemm(a, b, out=out, split_k=split_k, **epilogue)
+    check(f"skinny-split{split_k}-{case_id('RC', dtype, M, N, K)}", out, a, b, **epilogue)
+    for _ in range(3):
+        assert torch.equal(tk.gemm(a, b, split_k=split_k, **epilogue), out), "not bit-identical run to run"
+
+
+def _gpu_configs(dtype, device):
+    """Every sweep candidate and every tuned winner (adapted as select_config would on this GPU)."""
+    tuned = TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT
+    tma_ok = supports_tensor_descriptors(device)
+    configs = list(candidate_configs(dtype, device))
+    for cfg in tuned.values():
+        if not tma_ok:
+            cfg = dataclasses.replace(cfg, use_tma=False, warp_specialize=False)
+        configs.append(cfg)
+    return list(dict.fromkeys(configs))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_every_config(dtype, device):
+    """Each candidate and tuned config on one odd shape (edge tiles in M, N and K), the layout rotating
+    from config to config so every layout meets TMA and pointer configs; all failures are listed."""
+    M, N, K = 515, 769, 1031
+    bias = random_tensor((N,), dtype, device)
+    inputs = {layout: operands(M, N, K, dtype, layout, device) for layout in LAYOUTS}
+    failures = []
+    configs = _gpu_configs(dtype, device)
+    for i, cfg in enumerate(configs):
+        layout = LAYOUTS[i % len(LAYOUTS)]
+        a, b = inputs[layout]
+        out = poisoned((M, N), dtype, device)
+        try:
+            tk.gemm(a, b, bias=bias, out=out, config=cfg)
+            torch.cuda.synchronize()
+            check(f"{cfg.describe()}-{layout}", out, a, b, bias=bias)
+        except Exception as err:  # noqa: BLE001 (collect every failing config, compile errors included)
+            failures.append(f"{layout} {cfg}: {type(err).__name__}: {str(err)[:300]}")
+    assert not failures, f"{len(failures)} of {len(configs)} configs failed:\n" + "\n".join(failures)
+
+
+@gpu
+def test_gpu_tf32_is_tf32_accurate(device):
+    """fp32 runs as tf32: within the rule against torch's own tf32 answer (reference_gemm enables it)."""
+    M, N, K = 1000, 2000, 3001
+    a, b = operands(M, N, K, torch.float32, "RR", device)
+    result = check("tf32", tk.gemm(a, b), a, b)
+    assert result.max_err_torch > 0
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_autograd(dtype, device):
+    M, N, K = 1000, 2048, 1536
+    a, b = operands(M, N, K, dtype, "RC", device)
+    bias = random_tensor((N,), dtype, device)
+    grad = random_tensor((M, N), dtype, device)
+    check_autograd(case_id("RC", dtype, M, N, K), a, b, bias, grad)
+
+
+@gpu
+@pytest.mark.parametrize("split_k", [1, "auto"])
+def test_gpu_cuda_graph(split_k, device):
+    """Capture tk.gemm (split-K workspace included) in a CUDA graph, change the inputs, replay."""
+    M, N, K = 64, 1024, 8192
+    a, b = operands(M, N, K, torch.bfloat16, "RR", device)
+    bias = random_tensor((N,), torch.bfloat16, device)
+    out = poisoned((M, N), torch.bfloat16, device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compile and warm up outside the capture
+            tk.gemm(a, b, bias=bias, activation="relu", out=out, split_k=split_k)
+            fresh = tk.gemm(a, b, bias=bias, split_k=split_k)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.gemm(a, b, bias=bias, activation="relu", out=out, split_k=split_k)
+        fresh = tk.gemm(a, b, bias=bias, split_k=split_k)
+    for _ in range(2):
+        a.copy_(random_tensor((M, K), torch.bfloat16, device))
+        bias.copy_(random_tensor((N,), torch.bfloat16, device))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check("graph-out", out, a, b, bias=bias, activation="relu")
+        check("graph-alloc", fresh, a, b, bias=bias)
+
+
+@gpu
+def test_gpu_torch_compile(device):
+    torch._dynamo.reset()
+    block = GatedBlock(1024, torch.bfloat16, device)
+    x = random_tensor((333, 1024), torch.bfloat16, device)
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(x)
+        eager = block(x)
+    assert torch.equal(out, eager), "compiled and eager tk.gemm disagree"
+    assert_close("compiled", out, block.reference(x, torch.float64), block.reference(x, None))
+    graphed = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(graphed(x), eager)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["RR", "CR"])
+def test_gpu_operand_past_2g_elements(layout, device):
+    """A with more than 2^31 elements: row (or column) offsets past int32 must be 64-bit. Only the last
+    rows are checked against the reference (the full fp64 product would take minutes)."""
+    M, N, K = 2**16 + 77, 96, 2**15 + 8  # A has ~2.15e9 elements
+    shape_a = (K, M) if layout[0] == "C" else (M, K)
+    a = torch.randn(shape_a, dtype=torch.bfloat16, device=device)  # made on the GPU: 4 GiB
+    a = a.t() if layout[0] == "C" else a
+    b = random_matrix(K, N, torch.bfloat16, device)
+    out = poisoned((M, N), torch.bfloat16, device)
+    tk.gemm(a, b, out=out)
+    tail = slice(M - 100, M)
+    check("tail-rows", out[tail], a[tail], b)
+    head = slice(0, 50)
+    check("head-rows", out[head], a[head], b)
+    assert not torch.isnan(out).any(), "some rows were never written"
+
+
+@gpu
+def test_gpu_output_past_2g_elements(device):
+    """C and the residual with more than 2^31 elements: the epilogue's loads and stores need 64-bit
+    offsets too. The first and last rows are checked against the reference."""
+    M, N, K = 2**16 + 77, 2**15 + 8, 40
+    a, b = operands(M, N, K, torch.bfloat16, "RC", device)
+    residual = torch.randn((M, N), dtype=torch.bfloat16, device=device)
+    out = poisoned((M, N), torch.bfloat16, device)
+    tk.gemm(a, b, out=out, residual=residual, beta=0.5)
+    for rows in (slice(0, 50), slice(M - 50, M)):
+        check(f"rows-{rows.start}", out[rows], a[rows], b, residual=residual[rows], beta=0.5)
+    assert not torch.isnan(out).any(), "some elements were never written"
+
+
+@gpu
+def test_gpu_mixed_devices(device):
+    a, b = operands(64, 64, 64, torch.bfloat16, "RR", device)
+    for kwargs, name in (({"bias": random_tensor((64,), torch.bfloat16)}, "bias"),
+                         ({"residual": random_tensor((64, 64), torch.bfloat16)}, "residual"),
+                         ({"mul": (random_tensor((64, 64), torch.bfloat16),)}, "mul"),
+                         ({"out": poisoned((64, 64), torch.bfloat16)}, "out")):
+        with pytest.raises((ValueError, TypeError), match=rf"\b{name}"):
+            tk.gemm(a, b, **kwargs)
+    with pytest.raises((ValueError, TypeError), match=r"\bb\b"):
+        tk.gemm(a, b.cpu())

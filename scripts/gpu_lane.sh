@@ -23,7 +23,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" || exit 2
 LOG="$OUT/lane.log"
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info tests check bench)
@@ -56,7 +56,7 @@ for step in "${steps[@]}"; do
             fi
             ;;
         tests)
-            run_step tests "$PY" -m pytest -m gpu tests -x -q
+            run_step tests "$PY" -m pytest -m gpu tests -q --maxfail=10 --durations=10 -p no:cacheprovider
             ;;
         check)
             run_step check "$PY" -m tilekernels check

@@ -228,12 +228,23 @@ class BenchCase:
         return f"{self.op} {shape_label(self.shape)} {self.variant} {dtype_name(self.dtype)} {self.layout}"
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: float, rep: float) -> list[float]:
-    """[p20, p50, p80] of ``fn``'s run time in milliseconds."""
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: float, rep: float,
+            cuda_graph: bool = False) -> list[float]:
+    """[p20, p50, p80] of ``fn``'s run time in milliseconds.
+
+    ``cuda_graph``: time replays of a captured graph of calls (the input rotation is captured with
+    them), which removes host launch overhead from every provider alike: kernel against kernel, as in
+    a CUDA-graphed serving step. Without it, eager calls: what a plain PyTorch program sees.
+    """
     if device.type == "cuda":
         import triton.testing
 
-        times = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES))
+        if cuda_graph:
+            fn()
+            synchronize(device)
+            times = triton.testing.do_bench_cudagraph(fn, rep=rep, quantiles=list(QUANTILES))
+        else:
+            times = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES))
         return [float(t) for t in times]
     # The interpreter has no device events; a wall clock over a few calls is all there is.
     fn()
@@ -249,7 +260,8 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: float, rep: 
 class Run:
     """Rows, failures and notes of one ``bench`` invocation."""
 
-    def __init__(self, op: str, device: torch.device, mode: str):
+    def __init__(self, op: str, device: torch.device, mode: str, cuda_graph: bool = False):
+        self.cuda_graph = cuda_graph
         self.op = op
         self.device = device
         self.mode = mode
@@ -289,6 +301,7 @@ class Run:
             "config": config,
             "accuracy_ratio": accuracy.ratio,
             "mode": self.mode,
+            "timing": "cuda_graph" if self.cuda_graph else "eager",
             "run_id": self.run_id,
             "date": self.date,
             **{k: v for k, v in self.env.items() if k != "gpu_slug"},
@@ -357,7 +370,7 @@ def measure(case: BenchCase, provider: str, fn: Callable[[dict], torch.Tensor], 
         return None
     cycle = itertools.cycle(sets)
     try:
-        times = time_ms(lambda: fn(next(cycle)), run.device, warmup, rep)
+        times = time_ms(lambda: fn(next(cycle)), run.device, warmup, rep, run.cuda_graph)
     except Exception as exc:
         complain(f"raised while timing {exception_text(exc)}")
         _recover(run.device)
@@ -608,6 +621,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do_bench warmup in ms (default 50; sweep 10)")
     parser.add_argument("--rep", type=float, default=None,
                         help="do_bench repetition time in ms (default 200; sweep 30)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time replays of CUDA-graph-captured calls (no host launch overhead, for "
+                             "every provider alike) instead of eager calls")
     parser.add_argument("--sweep", action="store_true",
                         help="time every candidate launch config per shape instead of the default one")
     parser.add_argument("--budget-s", type=float, default=480.0,
@@ -635,13 +651,14 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
         opts.warmup = 10.0 if sweep else 50.0
     if opts.rep is None:
         opts.rep = 30.0 if sweep else 200.0
-    run = Run(op_module.NAME, device, "sweep" if sweep else "bench")
+    run = Run(op_module.NAME, device, "sweep" if sweep else "bench", cuda_graph=opts.cuda_graph)
     env = run.env
     header = [f"tilekernels bench {op_module.NAME}{' --sweep' if sweep else ''} on {env['gpu']} — {run.date}",
               (f"torch {env['torch']} · triton {env['triton']} · tilekernels {env['tilekernels']}"
                f"{' · commit ' + env['commit'] if env['commit'] else ''} · run {run.run_id}")]
     if device.type == "cuda":
-        header.append(f"do_bench warmup {opts.warmup:g} ms, rep {opts.rep:g} ms; inputs rotate through >= 2x "
+        header.append(f"{'CUDA-graph replays (do_bench_cudagraph)' if opts.cuda_graph else 'eager calls'}; "
+                      f"do_bench warmup {opts.warmup:g} ms, rep {opts.rep:g} ms; inputs rotate through >= 2x "
                       f"L2 ({l2_bytes(device) / 2**20:.0f} MiB); TFLOP/s = 2*M*N*K / median time")
     else:
         header.append(INTERPRETER_WARNING)

@@ -117,24 +117,34 @@ def round_to_tf32(x):
     return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
 
 
+def fp32_precision() -> str:
+    """How fp32 products run, following torch's own switch (``torch.set_float32_matmul_precision``):
+    "highest" (torch's default) -> "ieee" (fp32 FMA, as accurate as cuBLAS SGEMM); "high" or
+    "medium" (``allow_tf32=True``) -> "tf32" tensor cores with operands rounded to nearest tf32."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
 @triton.jit
-def dot(a, b, acc):
+def dot(a, b, acc, FP32_PRECISION: tl.constexpr = "tf32"):
     """``acc + a @ b`` with fp32 (int32 for int8) accumulation.
 
     bf16 under the interpreter: widened to fp32 (exact products), since interpreted bf16 ``tl.dot`` is
-    wrong. fp32 on a GPU: tf32 tensor-core product of operands rounded to nearest tf32.
+    wrong. fp32 on a GPU: ``FP32_PRECISION`` "ieee" (FMA) or "tf32" (tensor cores, operands rounded to
+    nearest tf32 first); the interpreter computes fp32 exactly either way.
     """
     if INTERPRET:
         if a.dtype == tl.bfloat16:
             a = a.to(tl.float32)
         if b.dtype == tl.bfloat16:
             b = b.to(tl.float32)
+        return tl.dot(a, b, acc)
+    elif a.dtype == tl.float32:
+        if FP32_PRECISION == "ieee":
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(round_to_tf32(a), round_to_tf32(b), acc, input_precision="tf32")
     else:
-        if a.dtype == tl.float32:
-            a = round_to_tf32(a)
-        if b.dtype == tl.float32:
-            b = round_to_tf32(b)
-    return tl.dot(a, b, acc)
+        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -17,7 +17,6 @@ instead of a hand-tuned atol/rtol.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Sequence
@@ -75,16 +74,6 @@ def apply_activation(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"activation must be one of {ACTIVATIONS} or None, got {activation!r}")
 
 
-@contextlib.contextmanager
-def _tf32(enabled: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def reference_gemm(a, b, *, bias=None, residual=None, mul=(), activation=None, alpha=1.0, beta=1.0,
                    scale_a=None, scale_b=None, out_dtype=None, compute_dtype=torch.float64):
     """``tk.gemm``'s specification in plain PyTorch.
@@ -92,7 +81,8 @@ def reference_gemm(a, b, *, bias=None, residual=None, mul=(), activation=None, a
     Epilogue order: ``acc*alpha*scale_a*scale_b + bias -> activation -> * each of mul ->
     + beta*residual -> cast``. ``compute_dtype=torch.float64`` (on the CPU) gives the exact reference;
     ``compute_dtype=None`` computes in the inputs' own dtype on their device, which is PyTorch's
-    low-precision answer (fp32 uses tf32 on a GPU, as tk.gemm does) that the error rule compares with.
+    low-precision answer (fp32 under torch's current float32 matmul precision, which tk.gemm follows
+    too) that the error rule compares with.
     Returns a tensor of ``out_dtype`` (default: the inputs' dtype; bf16 for fp8/int8) unless
     ``compute_dtype`` is fp64, in which case the fp64 result is returned uncast.
     """
@@ -108,8 +98,7 @@ def reference_gemm(a, b, *, bias=None, residual=None, mul=(), activation=None, a
         def conv(t):
             return None if t is None else t.detach().to(low)
     acc_a, acc_b = conv(a), conv(b)
-    with _tf32(a.dtype == torch.float32 and a.is_cuda):
-        acc = acc_a @ acc_b
+    acc = acc_a @ acc_b
     if alpha != 1.0:
         acc = acc * alpha
     if scale_a is not None:

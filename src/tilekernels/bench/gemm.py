@@ -187,12 +187,12 @@ def _compiled():
 
 
 def _allow_tf32(dtype: torch.dtype) -> None:
-    """tk.gemm computes fp32 as tf32 on tensor cores, so the torch baselines must be allowed to too
-    (process-wide: the fp32 bench compares like with like; references set their own flag)."""
+    """The fp32 bench measures the tf32 tensor-core path: tk.gemm follows torch's float32 matmul
+    precision like torch.matmul does, so switching it on (process-wide) compares like with like."""
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         print("fp32: torch.backends.cuda.matmul.allow_tf32 = True for the torch baselines "
-              "(tk.gemm uses tf32)", flush=True)
+              "and tk.gemm alike", flush=True)
 
 
 def _cublas_matmul(x: dict) -> torch.Tensor:

@@ -109,7 +109,7 @@ def gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, EVEN_K: tl.constexpr,
-    ACC_INT: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    ACC_INT: tl.constexpr, FP32_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
     NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
@@ -143,7 +143,7 @@ def gemm_kernel(
                     b_tile = b.load([off_n, off_k]).T
                 else:
                     b_tile = b.load([off_k, off_n])
-                acc = dot(a_tile, b_tile, acc)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+                acc = dot(a_tile, b_tile, acc, FP32_PRECISION)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         else:
             offs_am = off_m + tl.arange(0, BLOCK_M)
             offs_bn = off_n + tl.arange(0, BLOCK_N)
@@ -161,7 +161,7 @@ def gemm_kernel(
                     k_left = k_end - k_start - ki * BLOCK_K
                     a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                     b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                acc = dot(a_tile, b_tile, acc)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+                acc = dot(a_tile, b_tile, acc, FP32_PRECISION)  # [BM, BK] @ [BK, BN] -> [BM, BN]
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
 

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import cdiv, check_runnable, is_interpreter, sm_count, supports_tensor_descriptors
+from .._runtime import cdiv, check_runnable, fp32_precision, is_interpreter, sm_count, supports_tensor_descriptors
 from . import _kernels
 from .configs import GemmConfig, auto_split_k, select_config
 
@@ -179,7 +179,9 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
 
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
-    use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
+    # int8 stays on the pointer path: triton 3.6 failed to compile the int8 TMA variant on an H100.
+    use_tma = (cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
+               and a.dtype != torch.int8)
     a_arg, b_arg, a_trans, b_trans = a, b, False, False
     if use_tma:
         a_view, b_view = _tma_view(a), _tma_view(b)
@@ -219,7 +221,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split_k,
         USE_TMA=use_tma, A_TRANS=a_trans, B_TRANS=b_trans, EVEN_K=K % cfg.block_k == 0,
-        ACC_INT=acc_int, FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        ACC_INT=acc_int, FP32_PRECISION=fp32_precision(), FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
         **epilogue_flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -319,8 +321,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
 
     Args:
         a: ``[M, K]``, row- or column-major (a transposed view works without a copy).
-        b: ``[K, N]``, row- or column-major. Same dtype as ``a``: fp16, bf16, fp32 (computed as tf32
-            on tensor cores), fp8 e4m3fn/e5m2, or int8.
+        b: ``[K, N]``, row- or column-major. Same dtype as ``a``: fp16, bf16, fp32, fp8 e4m3fn/e5m2,
+            or int8. fp32 follows ``torch.get_float32_matmul_precision()`` as torch.matmul does:
+            "highest" (the default) computes in fp32 FMA, "high"/"medium" on tf32 tensor cores.
         bias: broadcastable to ``[M, N]`` (typically ``[N]``), added after scaling.
         residual: broadcastable to ``[M, N]``, added last as ``beta * residual``.
         mul: up to two tensors broadcastable to ``[M, N]``, multiplied in after the activation

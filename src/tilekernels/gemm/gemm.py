@@ -179,9 +179,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
 
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
-    # int8 stays on the pointer path: triton 3.6 failed to compile the int8 TMA variant on an H100.
-    use_tma = (cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
-               and a.dtype != torch.int8)
+    use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
     a_arg, b_arg, a_trans, b_trans = a, b, False, False
     if use_tma:
         a_view, b_view = _tma_view(a), _tma_view(b)

@@ -23,7 +23,7 @@ so broadcast views (stride 0) cost no copy; row offsets are 64-bit.
 import triton
 import triton.language as tl
 
-from .._runtime import cast_for_store, dot, offset_i64
+from .._runtime import cast_for_store, compensated_dot, dot, offset_i64
 from .scheduler import tile_coords
 
 
@@ -109,7 +109,8 @@ def gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, EVEN_K: tl.constexpr,
-    ACC_INT: tl.constexpr, FP32_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    ACC_INT: tl.constexpr, FP32_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
     NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
@@ -132,6 +133,7 @@ def gemm_kernel(
         k_end = min(K, k_start + k_per_split)
         k_tiles = tl.cdiv(k_end - k_start, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+        comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
             for ki in range(k_tiles):
                 off_k = k_start + ki * BLOCK_K
@@ -143,7 +145,10 @@ def gemm_kernel(
                     b_tile = b.load([off_n, off_k]).T
                 else:
                     b_tile = b.load([off_k, off_n])
-                acc = dot(a_tile, b_tile, acc, FP32_PRECISION)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+                if COMPENSATED:
+                    acc, comp = compensated_dot(a_tile, b_tile, acc, comp)  # [BM, BK] @ [BK, BN]
+                else:
+                    acc = dot(a_tile, b_tile, acc, FP32_PRECISION)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         else:
             offs_am = off_m + tl.arange(0, BLOCK_M)
             offs_bn = off_n + tl.arange(0, BLOCK_N)
@@ -161,7 +166,10 @@ def gemm_kernel(
                     k_left = k_end - k_start - ki * BLOCK_K
                     a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                     b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-                acc = dot(a_tile, b_tile, acc, FP32_PRECISION)  # [BM, BK] @ [BK, BN] -> [BM, BN]
+                if COMPENSATED:
+                    acc, comp = compensated_dot(a_tile, b_tile, acc, comp)  # [BM, BK] @ [BK, BN]
+                else:
+                    acc = dot(a_tile, b_tile, acc, FP32_PRECISION)  # [BM, BK] @ [BK, BN] -> [BM, BN]
                 a_ptrs += BLOCK_K * stride_ak
                 b_ptrs += BLOCK_K * stride_bk
 
@@ -174,6 +182,28 @@ def gemm_kernel(
             p_ptrs = (partials + offset_i64(pid_k, M) * N + offset_i64(offs_cm, N)[:, None]
                       + offs_cn[None, :])
             tl.store(p_ptrs, acc, mask=mask)
+        elif EPILOGUE_SUBTILE:
+            # Two [BM, BN/2] halves, one after the other: half the registers live while the epilogue
+            # loads its operands, so a heavy epilogue does not spill the accumulator.
+            halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            offs_half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            epilogue_store(halves[0], c, stride_cm, stride_cn, offs_cm, offs_half, M, N, alpha, beta,
+                           scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+                           bias_ptr, stride_bias_m, stride_bias_n,
+                           mul0_ptr, stride_mul0_m, stride_mul0_n,
+                           mul1_ptr, stride_mul1_m, stride_mul1_n,
+                           res_ptr, stride_res_m, stride_res_n,
+                           HAS_ALPHA, HAS_SCALE_A, HAS_SCALE_B, HAS_BIAS, BIAS_IS_ROW, ACTIVATION,
+                           NUM_MUL, HAS_RESIDUAL, OUT_IS_INT)
+            epilogue_store(halves[1], c, stride_cm, stride_cn, offs_cm, offs_half + BLOCK_N // 2, M, N,
+                           alpha, beta,
+                           scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+                           bias_ptr, stride_bias_m, stride_bias_n,
+                           mul0_ptr, stride_mul0_m, stride_mul0_n,
+                           mul1_ptr, stride_mul1_m, stride_mul1_n,
+                           res_ptr, stride_res_m, stride_res_n,
+                           HAS_ALPHA, HAS_SCALE_A, HAS_SCALE_B, HAS_BIAS, BIAS_IS_ROW, ACTIVATION,
+                           NUM_MUL, HAS_RESIDUAL, OUT_IS_INT)
         else:
             epilogue_store(acc, c, stride_cm, stride_cn, offs_cm, offs_cn, M, N, alpha, beta,
                            scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from .._runtime import capability, cdiv, sm_count
+from .._runtime import capability, cdiv, fp32_precision, sm_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,9 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
     if device.type != "cuda":
         return _interpreter_config(M, N, K)
     major, _ = capability(device)
+    if dtype == torch.float32 and fp32_precision() == "ieee":
+        # fp32 FMA with a compensation term: two fp32 tiles live, so smaller tiles (not yet tuned).
+        return GemmConfig(64, 64, 32, 8, 4, 3, use_tma=major >= 9) if M <= 64 else GemmConfig(128, 128, 32, 8, 8, 3, use_tma=major >= 9)
     table = TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT
     cfg = table[shape_class(M, N, K)]
     if major < 9:

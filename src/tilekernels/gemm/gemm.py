@@ -209,6 +209,8 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         OUT_IS_INT=c.dtype == torch.int32,
     )
 
+    precision = fp32_precision()
+    heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
     num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
     _kernels.gemm_kernel[(num_programs,)](
@@ -219,7 +221,9 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split_k,
         USE_TMA=use_tma, A_TRANS=a_trans, B_TRANS=b_trans, EVEN_K=K % cfg.block_k == 0,
-        ACC_INT=acc_int, FP32_PRECISION=fp32_precision(), FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        ACC_INT=acc_int, FP32_PRECISION=precision, COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        EPILOGUE_SUBTILE=heavy_epilogue and cfg.block_n >= 32 and split_k == 1,
         **epilogue_flags,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

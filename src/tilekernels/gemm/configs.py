@@ -58,7 +58,7 @@ def override_config(config: GemmConfig):
         _override.pop()
 
 
-def _interpreter_config(M: int, N: int, K: int) -> GemmConfig:
+def _interpreter_config() -> GemmConfig:
     # Small tiles keep the CPU interpreter quick and make odd shapes straddle several tiles.
     return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)
 
@@ -105,7 +105,7 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
     if _override:
         return _override[-1]
     if device.type != "cuda":
-        return _interpreter_config(M, N, K)
+        return _interpreter_config()
     major, _ = capability(device)
     if dtype == torch.float32 and fp32_precision() == "ieee":
         # fp32 FMA with a compensation term: two fp32 tiles live, so smaller tiles (not yet tuned).
@@ -141,7 +141,7 @@ def auto_split_k(M: int, N: int, K: int, cfg: GemmConfig, device: torch.device) 
 def candidate_configs(dtype: torch.dtype, device: torch.device) -> list[GemmConfig]:
     """What ``python -m tilekernels bench gemm --sweep`` tries on this device."""
     if device.type != "cuda":
-        return [_interpreter_config(64, 64, 64), GemmConfig(16, 32, 16, 1, 4, 1), GemmConfig(64, 32, 32, 4, 4, 1)]
+        return [_interpreter_config(), GemmConfig(16, 32, 16, 1, 4, 1), GemmConfig(64, 32, 32, 4, 4, 1)]
     tma = capability(device)[0] >= 9
     bk = 32 if dtype == torch.float32 else (128 if dtype.itemsize == 1 else 64)
     out = []

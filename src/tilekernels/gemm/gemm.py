@@ -55,8 +55,8 @@ def _check_scale(name: str, s, length: int, dim_name: str, device: torch.device)
         raise ValueError(f"{name} is on {s.device} but a is on {device}")
     if not s.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating-point tensor, got {s.dtype}")
-    if s.numel() != 1 and s.numel() != length or (s.numel() == length and length != 1
-                                                   and max(s.shape, default=1) != length):
+    # a single element, or `length` of them along one dimension ([M], [M, 1] and [1, M] for scale_a)
+    if s.numel() != 1 and (s.numel() != length or max(s.shape) != length):
         raise ValueError(f"{name} must be a scalar or have {length} elements ([{dim_name}]), "
                          f"got shape {tuple(s.shape)}")
 

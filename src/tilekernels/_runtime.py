@@ -185,3 +185,38 @@ def compensated_dot(a, b, acc, comp):
     # Once the sum is inf, (inf - inf) would turn the compensation into NaN and the result with it.
     comp = tl.where(comp == comp, comp, 0.0)
     return total, comp
+
+
+# ----------------------------------------------------------------------------------------------------
+# launching a compiled kernel again without re-binding its arguments
+
+
+def direct_launcher(compiled, device_index: int):
+    """``launch(grid0, args)`` for a kernel that ``jit_fn[grid](...)`` already compiled and returned.
+
+    Triton's ``JITFunction.run`` re-derives the specialisation of every argument on every call (the
+    "binder"): ~30 us on the device machine for the GEMM's 33 runtime arguments, as long as a whole
+    skinny GEMM. An op that has already checked its arguments and keyed a cache on everything that
+    specialisation depends on (dtypes, exact integer values, 16-byte alignment of pointers, ``None``-ness)
+    can hand the next call's arguments straight to the compiled kernel's launcher with this.
+    ``args`` are all of the kernel's parameters in declaration order, constexprs included, exactly
+    what ``JITFunction.run`` passes (triton 3.6 and 3.9 share this calling convention). Returns None
+    when this triton's ``CompiledKernel`` lacks that API; callers then keep using ``jit_fn[grid]``.
+    """
+    try:
+        from triton import knobs
+
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+        launch_metadata = compiled.launch_metadata
+        get_stream = triton.runtime.driver.active.get_current_stream
+    except Exception:  # pragma: no cover - depends on the installed triton
+        return None
+    hooks = knobs.runtime
+
+    def launch(grid0: int, args) -> None:
+        stream = get_stream(device_index)
+        grid = (grid0, 1, 1)
+        run(grid0, 1, 1, stream, function, packed, launch_metadata(grid, stream, *args),
+            hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
+
+    return launch

@@ -260,6 +260,59 @@ def test_general_strided_input_is_correct_or_refused(device):
         check("strided-a", out, a, b)
 
 
+def misaligned(M, N, dtype, device, column_major=False):
+    """A random ``[M, N]`` matrix whose first element sits one element past a 16-byte boundary."""
+    numel = M * N
+    buf = random_tensor((numel + 1,), dtype, device)[1:]
+    return buf.view(N, M).t() if column_major else buf.view(M, N)
+
+
+def signature_sequence(M, N, K, dtype, device):
+    """Calls with the same M, N, K that differ in exactly what a cached launch plan depends on
+    (strides, 16-byte alignment, dtypes, epilogue operands and their broadcast, alpha == 1, out
+    strides), interleaved with repeats that reuse a plan with new data."""
+    def t(*shape):
+        return random_tensor(shape, dtype, device)
+
+    a_rr, b_rr = operands(M, N, K, dtype, "RR", device)
+    a_cc, b_cc = operands(M, N, K, dtype, "CC", device)
+    yield "RR", (a_rr, b_rr), {}
+    yield "CC", (a_cc, b_cc), {}
+    yield "CR", (a_cc, b_rr), {}
+    yield "RC", (a_rr, b_cc), {}
+    yield "RR-new-data", operands(M, N, K, dtype, "RR", device), {}
+    yield "misaligned-a", (misaligned(M, K, dtype, device), b_rr), {}
+    yield "misaligned-b-col", (a_rr, misaligned(K, N, dtype, device, column_major=True)), {}
+    yield "RR-again", operands(M, N, K, dtype, "RR", device), {}
+    yield "bias-n", (a_rr, b_rr), {"bias": t(N)}
+    yield "bias-m1", (a_rr, b_rr), {"bias": t(M, 1)}
+    yield "bias-n-new", (a_rr, b_rr), {"bias": t(N)}
+    yield "alpha", (a_rr, b_rr), {"alpha": 0.25}
+    yield "alpha-one", (a_rr, b_rr), {"alpha": 1.0, "residual": t(M, N)}
+    yield "residual-col-beta", (a_rr, b_rr), {"residual": t(N, M).t(), "beta": -2.0}
+    yield "residual-beta-changed", (a_rr, b_rr), {"residual": t(N, M).t(), "beta": 0.5}
+    yield "gelu-mul", (a_cc, b_cc), {"activation": "gelu", "mul": (t(M, N),)}
+    yield "gelu-mul2", (a_cc, b_cc), {"activation": "gelu", "mul": (t(M, N), t(1, N))}
+    yield "fp32-out", (a_rr, b_rr), {"out_dtype": torch.float32 if dtype != torch.float32 else torch.float16}
+
+
+def run_signature_sequence(M, N, K, dtype, device):
+    for name, (a, b), epilogue in signature_sequence(M, N, K, dtype, device):
+        check(name, tk.gemm(a, b, **epilogue), a, b, **epilogue)
+        out_kind = "col" if name.endswith("new") else "padded"
+        out, base = strided_out(M, N, epilogue.get("out_dtype") or dtype, device, out_kind)
+        result = tk.gemm(a, b, out=out, **epilogue)
+        check(f"{name}-out-{out_kind}", out, a, b, **epilogue)
+        check_out_view(name, out, base, result)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_repeated_calls_follow_each_signature(dtype, device):
+    """tk.gemm caches one launch plan per call signature; a changed stride, alignment, epilogue or
+    out layout must never reuse another signature's plan, and a reused plan must read the new data."""
+    run_signature_sequence(37, 53, 71, dtype, device)
+
+
 # small configs: several tiles per persistent program (4 programs under the interpreter) and edge tiles
 # in M, N and K at once
 EXPLICIT_CONFIGS = [
@@ -707,6 +760,14 @@ def test_gpu_cuda_graph(split_k, device):
         torch.cuda.synchronize()
         check("graph-out", out, a, b, bias=bias, activation="relu")
         check("graph-alloc", fresh, a, b, bias=bias)
+
+
+@gpu
+@pytest.mark.parametrize("M, dtype", [(16, torch.bfloat16), (300, torch.float32)], ids=["M16-bf16", "M300-fp32"])
+def test_gpu_repeated_calls_follow_each_signature(M, dtype, device):
+    """The same on a GPU, where a cached plan launches the compiled kernel directly (no re-binding):
+    TMA and pointer paths, tiny and ordinary shapes."""
+    run_signature_sequence(M, 1000, 520, dtype, device)
 
 
 @gpu

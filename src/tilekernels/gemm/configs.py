@@ -58,6 +58,11 @@ def override_config(config: GemmConfig):
         _override.pop()
 
 
+def active_override() -> GemmConfig | None:
+    """The config forced by the innermost ``override_config`` block, if any."""
+    return _override[-1] if _override else None
+
+
 def _interpreter_config() -> GemmConfig:
     # Small tiles keep the CPU interpreter quick and make odd shapes straddle several tiles.
     return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4, num_stages=1)

@@ -12,9 +12,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import cdiv, check_runnable, fp32_precision, is_interpreter, sm_count, supports_tensor_descriptors
+from .._runtime import (cdiv, check_runnable, direct_launcher, fp32_precision, is_interpreter, sm_count,
+                        supports_tensor_descriptors)
 from . import _kernels
-from .configs import GemmConfig, auto_split_k, select_config
+from .configs import GemmConfig, active_override, auto_split_k, select_config
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
@@ -136,7 +137,7 @@ def _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, sca
 def _tma_view(t: torch.Tensor):
     """(tensor whose last stride is 1, transposed?) if ``t`` can be read by TMA, else None."""
     es = t.element_size()
-    if t.data_ptr() % 16:
+    if t.data_ptr() % 16 or 0 in t.shape:
         return None
     if t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0:
         return t, False
@@ -151,87 +152,159 @@ def _descriptor(view: torch.Tensor, block_shape):
     return TensorDescriptor(view, list(view.shape), list(view.stride()), list(block_shape))
 
 
-def _as_mn(t: torch.Tensor | None, M: int, N: int):
-    """(tensor viewed as [M, N] with broadcast strides, stride_m, stride_n), or (None, 0, 0)."""
+def _rebase(template, view: torch.Tensor):
+    """``template`` (a TensorDescriptor already validated for this shape, strides and alignment) over
+    ``view``'s storage, without re-running the constructor's checks (~5 us each on the device host)."""
+    d = object.__new__(type(template))
+    d.__dict__.update(template.__dict__)
+    d.base = view
+    return d
+
+
+def _bcast_strides(t: torch.Tensor | None, M: int, N: int) -> tuple[int, int]:
+    """Strides of ``t`` broadcast to [M, N] (0 along broadcast dimensions); (0, 0) for None."""
     if t is None:
-        return None, 0, 0
+        return 0, 0
     v = torch.broadcast_to(t, (M, N))
-    return v, v.stride(0), v.stride(1)
+    return v.stride(0), v.stride(1)
 
 
-def _as_vec(s: torch.Tensor | None, length: int):
-    if s is None:
-        return None, 0
-    v = torch.broadcast_to(s.reshape(-1), (length,)) if s.numel() == 1 else s.reshape(length)
-    return v, v.stride(0)
+def _vec_stride(s: torch.Tensor | None) -> int:
+    """Stride between consecutive elements of a scale that is one element or a [length] vector in
+    any of its [length], [length, 1], [1, length] shapes (a single element is broadcast: stride 0)."""
+    if s is None or s.numel() == 1:
+        return 0
+    return s.reshape(-1).stride(0)
 
 
-def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k) -> None:
+def _meta(t: torch.Tensor | None):
+    """What a launch plan depends on for one optional tensor: triton specialises pointers on dtype and
+    16-byte alignment, and the strides and broadcast shape are baked into the plan."""
+    if t is None:
+        return None
+    return t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0
+
+
+class _Plan:
+    """Everything about one GEMM launch that depends only on its signature (shapes, strides, dtypes,
+    alignments, epilogue shape, config): computed once, then reused by every call with that signature.
+
+    ``launch`` is the compiled kernel's direct launcher once the first call through ``jit_fn[grid]``
+    has compiled it (GPU only); until then, and always under the interpreter, calls go through Triton.
+    """
+
+    __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "num_programs",
+                 "ints", "epilogue_strides", "constexprs", "epilogue_flags", "acc_int", "launch")
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 1024  # distinct call signatures kept; the oldest is dropped past this
+
+
+def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k):
+    return (a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0, b.shape[1], b.stride(),
+            b.data_ptr() % 16 == 0, c.dtype, c.stride(), c.data_ptr() % 16 == 0, _meta(bias), _meta(residual),
+            tuple(_meta(m) for m in mul), _meta(scale_a), _meta(scale_b), activation, alpha != 1.0, split_k,
+            active_override(), fp32_precision() if a.dtype == torch.float32 else None)
+
+
+def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k) -> _Plan:
     M, K = a.shape
     N = b.shape[1]
-    if M == 0 or N == 0:
-        return
     cfg = select_config(M, N, K, a.dtype, a.device)
     if split_k == _AUTO_SPLIT:
         split_k = auto_split_k(M, N, K, cfg, a.device)
     k_per_split = cdiv(cdiv(K, split_k), cfg.block_k) * cfg.block_k if K else cfg.block_k
     split_k = max(1, cdiv(K, k_per_split))
 
+    plan = _Plan()
+    plan.cfg, plan.split_k, plan.launch = cfg, split_k, None
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
     use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
-    a_arg, b_arg, a_trans, b_trans = a, b, False, False
+    a_view = b_view = None
     if use_tma:
         a_view, b_view = _tma_view(a), _tma_view(b)
         use_tma = a_view is not None and b_view is not None
+    plan.use_tma, plan.a_trans, plan.b_trans, plan.a_desc, plan.b_desc = use_tma, False, False, None, None
     if use_tma:
-        (a_base, a_trans), (b_base, b_trans) = a_view, b_view
-        a_arg = _descriptor(a_base, (cfg.block_k, cfg.block_m) if a_trans else (cfg.block_m, cfg.block_k))
-        b_arg = _descriptor(b_base, (cfg.block_n, cfg.block_k) if b_trans else (cfg.block_k, cfg.block_n))
+        (a_base, plan.a_trans), (b_base, plan.b_trans) = a_view, b_view
+        plan.a_desc = _descriptor(a_base, (cfg.block_k, cfg.block_m) if plan.a_trans else (cfg.block_m, cfg.block_k))
+        plan.b_desc = _descriptor(b_base, (cfg.block_n, cfg.block_k) if plan.b_trans else (cfg.block_k, cfg.block_n))
 
-    acc_int = a.dtype == torch.int8
-    partials = None
-    if split_k > 1:
-        partials = torch.empty((split_k, M, N), dtype=torch.int32 if acc_int else torch.float32, device=a.device)
-
-    bias_v, sbm, sbn = _as_mn(bias, M, N)
-    res_v, srm, srn = _as_mn(residual, M, N)
-    mul0, sm0m, sm0n = _as_mn(mul[0] if len(mul) > 0 else None, M, N)
-    mul1, sm1m, sm1n = _as_mn(mul[1] if len(mul) > 1 else None, M, N)
-    sa_v, ssa = _as_vec(scale_a, M)
-    sb_v, ssb = _as_vec(scale_b, N)
-    epilogue_args = (alpha, beta, sa_v, ssa, sb_v, ssb, bias_v, sbm, sbn, mul0, sm0m, sm0n, mul1, sm1m, sm1n,
-                     res_v, srm, srn)
-    epilogue_flags = dict(
+    num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
+    plan.num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
+    plan.ints = (M, N, K, k_per_split, plan.num_programs,
+                 a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    sbm, sbn = _bcast_strides(bias, M, N)
+    plan.epilogue_strides = (_vec_stride(scale_a), _vec_stride(scale_b), sbm, sbn,
+                             *_bcast_strides(mul[0] if len(mul) > 0 else None, M, N),
+                             *_bcast_strides(mul[1] if len(mul) > 1 else None, M, N),
+                             *_bcast_strides(residual, M, N))
+    plan.acc_int = a.dtype == torch.int8
+    plan.epilogue_flags = dict(
         HAS_ALPHA=alpha != 1.0, HAS_SCALE_A=scale_a is not None, HAS_SCALE_B=scale_b is not None,
         HAS_BIAS=bias is not None, BIAS_IS_ROW=bias is not None and sbm == 0,
         ACTIVATION=activation or "none", NUM_MUL=len(mul), HAS_RESIDUAL=residual is not None,
         OUT_IS_INT=c.dtype == torch.int32,
     )
-
     precision = fp32_precision()
     heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
-    num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
-    num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
-    _kernels.gemm_kernel[(num_programs,)](
-        a_arg, b_arg, c, partials,
-        M, N, K, k_per_split, num_programs,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        *epilogue_args,
+    plan.constexprs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split_k,
-        USE_TMA=use_tma, A_TRANS=a_trans, B_TRANS=b_trans, EVEN_K=K % cfg.block_k == 0,
-        ACC_INT=acc_int, FP32_PRECISION=precision, COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
+        USE_TMA=use_tma, A_TRANS=plan.a_trans, B_TRANS=plan.b_trans, EVEN_K=K % cfg.block_k == 0,
+        ACC_INT=plan.acc_int, FP32_PRECISION=precision,
+        COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
         FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
         EPILOGUE_SUBTILE=heavy_epilogue and cfg.block_n >= 32 and split_k == 1,
-        **epilogue_flags,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **plan.epilogue_flags,
     )
-    if split_k > 1:
+    return plan
+
+
+def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k) -> None:
+    if a.shape[0] == 0 or b.shape[1] == 0:
+        return
+    if a.is_cuda and a.device.index != torch.cuda.current_device():
+        with torch.cuda.device(a.device):  # triton launches on the current device
+            return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k)
+    key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k)
+        if len(_PLANS) >= _MAX_PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
+
+    if plan.use_tma:
+        a_arg = _rebase(plan.a_desc, a.t() if plan.a_trans else a)
+        b_arg = _rebase(plan.b_desc, b.t() if plan.b_trans else b)
+    else:
+        a_arg, b_arg = a, b
+    M, N = plan.ints[0], plan.ints[1]
+    partials = None
+    if plan.split_k > 1:
+        partials = torch.empty((plan.split_k, M, N), dtype=torch.int32 if plan.acc_int else torch.float32,
+                               device=a.device)
+    ssa, ssb, sbm, sbn, sm0m, sm0n, sm1m, sm1n, srm, srn = plan.epilogue_strides
+    mul0 = mul[0] if len(mul) > 0 else None
+    mul1 = mul[1] if len(mul) > 1 else None
+    epilogue_args = (alpha, beta, scale_a, ssa, scale_b, ssb, bias, sbm, sbn, mul0, sm0m, sm0n, mul1, sm1m, sm1n,
+                     residual, srm, srn)
+    args = (a_arg, b_arg, c, partials, *plan.ints, *epilogue_args)
+    if plan.launch is not None:
+        plan.launch(plan.num_programs, args + tuple(plan.constexprs.values()))
+    else:
+        compiled = _kernels.gemm_kernel[(plan.num_programs,)](
+            *args, **plan.constexprs, num_warps=plan.cfg.num_warps, num_stages=plan.cfg.num_stages)
+        if a.is_cuda and list(plan.constexprs) == _kernels.gemm_kernel.arg_names[len(args):]:
+            plan.launch = direct_launcher(compiled, a.device.index)
+    if plan.split_k > 1:
         block_m, block_n = 32, 128
         _kernels.splitk_reduce_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
             partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args,
-            SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, **epilogue_flags, num_warps=4,
+            SPLIT_K=plan.split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags, num_warps=4,
         )
 
 

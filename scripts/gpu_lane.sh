@@ -11,7 +11,8 @@
 # non-zero if any did. Only a few files come back from the device machine, so everything goes to
 # ${OUT:-/tmp/out} as at most six: lane.log (every step's output), gemm.{json,txt,png} from bench and
 # gemm-sweep.{json,txt} from sweep. Import the JSON here afterwards with
-#   python -m tilekernels bench --update-results <files_at>/gemm.json <files_at>/gemm-sweep.json
+#   python -m tilekernels bench --update-results <files_at>/gemm.json <files_at>/gemm-graph.json ...
+# (a --cuda-graph run writes gemm-graph.*, a sweep gemm-sweep.*).
 set -o pipefail
 
 # NVLink multicast stays off on these machines (see DESIGN.md); source tree on the path, no buffering

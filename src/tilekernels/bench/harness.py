@@ -679,7 +679,8 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
     # A sweep prints its tables as it goes (a killed run still leaves them in the log).
     print("\n" + "\n\n".join(([] if sweep else [text or "(no rows)"]) + footer), flush=True)
 
-    stem = op_module.NAME + ("-sweep" if sweep else "")
+    # An eager run and a CUDA-graph run into one --out folder must not overwrite each other.
+    stem = op_module.NAME + ("-sweep" if sweep else "") + ("-graph" if getattr(opts, "cuda_graph", False) else "")
     if opts.out is not None:
         title = f"tilekernels {op_module.NAME} on {env['gpu']}, {run.date}"
         if device.type != "cuda":

@@ -1,7 +1,8 @@
 """tilekernels: tile-based GPU kernels for LLM workloads, in Triton, exposed as PyTorch ops."""
 
-from .gemm import GemmConfig, gemm
+from ._runtime import raise_pending_errors
+from .gemm import AsyncInputScheduler, GemmConfig, async_input_mm, gemm
 
 __version__ = "0.1.0"
 
-__all__ = ["GemmConfig", "__version__", "gemm"]
+__all__ = ["AsyncInputScheduler", "GemmConfig", "__version__", "async_input_mm", "gemm", "raise_pending_errors"]

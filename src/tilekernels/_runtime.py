@@ -220,3 +220,60 @@ def direct_launcher(compiled, device_index: int):
             hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
 
     return launch
+
+
+# ----------------------------------------------------------------------------------------------------
+# error tables: what a kernel whose bounded wait gave up leaves for the host
+
+
+class _ErrorTable:
+    """int32 words a kernel sets when a wait gives up: word 0 "something failed", word 1 + i "item i
+    never arrived". On a GPU the table is pinned host memory, mapped into the device's address space:
+    the kernel writes it only on failure, and the host reads it at any time without synchronising."""
+
+    def __init__(self, device: torch.device, words: int):
+        self.tensor = torch.zeros(words, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.words = self.tensor.numpy()
+
+
+# (device type, index) -> tables, newest last. An outgrown table is kept: a captured CUDA graph may
+# still write it.
+_ERROR_TABLES: dict[tuple, list[_ErrorTable]] = {}
+
+
+def _device_key(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    return device.type, index
+
+
+def error_table(device: torch.device, items: int) -> torch.Tensor:
+    """The error table a kernel on ``device`` writes when a wait on one of ``items`` things gives up."""
+    tables = _ERROR_TABLES.setdefault(_device_key(device), [])
+    if not tables or tables[-1].words.size < 1 + items:
+        tables.append(_ErrorTable(device, max(1 + items, 1024)))
+    return tables[-1].tensor
+
+
+def check_errors(device: torch.device, what: str) -> None:
+    """Raise ``TimeoutError`` if a kernel on ``device`` recorded a wait that gave up, naming the items;
+    reads what has landed so far and does not synchronise. ``what`` names the items ("chunk")."""
+    failed = []
+    for table in _ERROR_TABLES.get(_device_key(device), []):
+        if table.words[0]:
+            failed += [int(i) for i in table.words[1:].nonzero()[0]]
+            table.words[:] = 0
+    if failed:
+        raise TimeoutError(
+            f"a tilekernels wait gave up: {what}(s) {', '.join(map(str, sorted(set(failed))))} never reached "
+            "its signal value within max_spins polls; the tiles that needed them were skipped (their "
+            "output rows were not written). Check the producer, its signal_value (epoch) and stream.")
+
+
+def raise_pending_errors() -> None:
+    """Wait for the work queued on every device that ran a bounded-wait kernel and raise
+    ``TimeoutError`` if any wait gave up (see ``tk.AsyncInputScheduler``)."""
+    for (kind, index) in list(_ERROR_TABLES):
+        device = torch.device(kind, index)
+        if kind == "cuda":
+            torch.cuda.synchronize(device)
+        check_errors(device, "chunk")

@@ -474,12 +474,17 @@ def test_custom_op_registration(device):
     M, N, K = 13, 21, 18
     a, b = operands(M, N, K, torch.float32, "RC", device)
     bias = random_tensor((N,), torch.float32, device)
-    args = (a, b, bias, None, [], "gelu", 1.0, 1.0, None, None, torch.float32, 1)
+    no_wait = (None, 0, 0, 0, 0)  # chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins
+    args = (a, b, bias, None, [], "gelu", 1.0, 1.0, None, None, torch.float32, 1, *no_wait)
     torch.library.opcheck(torch.ops.tilekernels.gemm, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     out = poisoned((M, N), torch.float32, device)
     torch.library.opcheck(torch.ops.tilekernels.gemm_out,
-                          (a, b, bias, None, [], None, 1.0, 1.0, None, None, 1, out),
+                          (a, b, bias, None, [], None, 1.0, 1.0, None, None, 1, *no_wait, out),
+                          test_utils=("test_schema", "test_faketensor"))
+    signals = torch.ones(2, dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.tilekernels.gemm,
+                          (a, b, bias, None, [], None, 1.0, 1.0, None, None, torch.float32, 1, signals, 7, 1, 1, 8),
                           test_utils=("test_schema", "test_faketensor"))
 
 

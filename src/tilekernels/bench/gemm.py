@@ -6,6 +6,10 @@ Providers:
   in the sweep.
 - ``cublas``: ``torch.matmul`` (fp16/bf16/fp32 with tf32 allowed, as tk.gemm computes fp32),
   ``torch._scaled_mm`` with tensorwise scales for fp8, ``torch._int_mm`` for int8 (int32 out).
+- async rows (``--variants async``): ``tk.async_input_mm`` with every chunk signal preset (A split in
+  ``ASYNC_CHUNKS`` chunks, pivot 1), against ``tk.gemm`` on the same operands and PyTorch's
+  ``torch.ops.symm_mem._async_input_mm`` (CUTLASS, SM90, bf16) with the same signals and pivot: the
+  cost of the scheduler itself when nothing has to wait.
 - epilogue rows, ``bias[N] -> gelu -> + residual[M, N]``: ``torch`` is ``torch.matmul`` followed by
   eager torch ops (what a model does without fusion), ``torch.compile`` is the same function compiled
   by inductor, which fuses the pointwise tail.
@@ -67,13 +71,17 @@ ANCHOR_CUBLAS_H100_BF16 = {
 GPU_SHAPES = ["8192x8192x8192", "4096x4096x4096", "16384x3584x8192", "8192x28672x8192", "8192x8192x28672",
               "2048x7168x4096", "16x8192x8192", "64x8192x8192", "128x8192x8192"]
 GPU_EPILOGUE_SHAPES = ["8192x8192x8192", "4096x4096x4096"]
+GPU_ASYNC_SHAPES = [f"{m}x{n}x8192" for m in (4096, 8192, 16384) for n in (3584, 8192)]
+ASYNC_CHUNKS = 2
 # Under the interpreter: big enough to span several 32x32 tiles with ragged edges, small enough to run
 # in seconds.
 INTERPRETER_SHAPES = ["64x48x80", "16x48x80"]
 INTERPRETER_EPILOGUE_SHAPES = ["64x48x80"]
+INTERPRETER_ASYNC_SHAPES = ["64x48x80"]
 
 LAYOUTS = ("RR", "RC", "CR", "CC")
 EPILOGUE = "bias+gelu+residual"
+ASYNC = "async-input (signals preset)"
 SAMPLE_EDGE = 16
 SAMPLE_RANDOM = 64
 
@@ -230,6 +238,16 @@ def _tk_epilogue(split_k):
     return run
 
 
+def _tk_async(x: dict) -> torch.Tensor:
+    import tilekernels
+
+    return tilekernels.async_input_mm(x["a"], x["b"], x["signals"], 1)
+
+
+def _torch_async(x: dict) -> torch.Tensor:
+    return torch.ops.symm_mem._async_input_mm(x["a"], x["b"], x["signals"], 1)
+
+
 def _default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, split_k) -> str:
     from ..gemm.configs import select_config
 
@@ -245,7 +263,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="RR", choices=LAYOUTS,
                         help="A and B storage: R row-major, C column-major (a transposed view); default RR")
     parser.add_argument("--variants", default="plain,epilogue",
-                        help=f"plain and/or epilogue ({EPILOGUE}); default both")
+                        help=f"plain, epilogue ({EPILOGUE}) and/or async ({ASYNC}); default plain,epilogue")
     parser.add_argument("--split-k", default="1",
                         help="tk.gemm split_k: one value for bench (1, N or auto), a comma list for --sweep")
     parser.add_argument("--no-prune", action="store_true",
@@ -253,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _case(shape: dict, dtype: torch.dtype, layout: str, device: torch.device, seed: int, epilogue: bool,
-          split_k, wanted: set[str] | None) -> BenchCase:
+          split_k, wanted: set[str] | None, async_input: bool = False) -> BenchCase:
     M, N, K = shape["M"], shape["N"], shape["K"]
     out_dtype = _out_dtype(dtype)
     itemsize, out_size = dtype.itemsize, out_dtype.itemsize
@@ -268,13 +286,19 @@ def _case(shape: dict, dtype: torch.dtype, layout: str, device: torch.device, se
         if epilogue:
             x["bias"] = _random((N,), out_dtype, device, base + 2)
             x["residual"] = _random((M, N), out_dtype, device, base + 3)
+        if async_input:
+            x["signals"] = torch.ones(ASYNC_CHUNKS, dtype=torch.uint32, device=device)
         if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             # Tensorwise dequantisation scales, as torch._scaled_mm takes them.
             x["scale_a"] = torch.tensor(0.75, device=device)
             x["scale_b"] = torch.tensor(1.25, device=device)
         return x
 
-    if epilogue:
+    if async_input:
+        providers = {OURS: _tk_async, "tk.gemm": _tk_plain(1)}
+        if device.type == "cuda":
+            providers["torch _async_input_mm"] = _torch_async
+    elif epilogue:
         providers = {OURS: _tk_epilogue(split_k), "torch": _torch_epilogue_provider,
                      "torch.compile": _compiled_provider}
     elif dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -286,7 +310,8 @@ def _case(shape: dict, dtype: torch.dtype, layout: str, device: torch.device, se
     if wanted is not None:
         providers = {k: v for k, v in providers.items() if k in wanted}
     return BenchCase(
-        op=NAME, shape=dict(shape), dtype=dtype, variant=EPILOGUE if epilogue else "plain", layout=layout,
+        op=NAME, shape=dict(shape), dtype=dtype, variant=ASYNC if async_input else EPILOGUE if epilogue else "plain",
+        layout=layout,
         flops=2.0 * M * N * K, set_bytes=set_bytes, make_inputs=make_inputs, providers=providers,
         check=_make_check(M, N, "gelu" if epilogue else None, out_dtype, device),
         configs={OURS: _default_config(M, N, K, dtype, device, split_k)},
@@ -317,9 +342,9 @@ def _parse_split_k(text: str):
 def bench_cases(opts: argparse.Namespace, device: torch.device) -> list[BenchCase]:
     interpreter = device.type != "cuda"
     variants = {v.strip() for v in opts.variants.split(",") if v.strip()}
-    unknown = variants - {"plain", "epilogue"}
+    unknown = variants - {"plain", "epilogue", "async"}
     if unknown:
-        raise UsageError(f"--variants: unknown {sorted(unknown)}; choose from plain, epilogue")
+        raise UsageError(f"--variants: unknown {sorted(unknown)}; choose from plain, epilogue, async")
     split_k = _parse_split_k(opts.split_k)
     if len(split_k) != 1:
         raise UsageError("--split-k: bench takes one value (a list is for --sweep)")
@@ -330,11 +355,12 @@ def bench_cases(opts: argparse.Namespace, device: torch.device) -> list[BenchCas
         print("torch.compile provider skipped on the CPU interpreter (inductor's CPU compile takes ~20 s and "
               "its timing would mean nothing); ask for it with --providers", flush=True)
     if opts.shapes:
-        shapes = epilogue_shapes = parse_shapes(opts.shapes)
+        shapes = epilogue_shapes = async_shapes = parse_shapes(opts.shapes)
     else:
         shapes = parse_shapes(",".join(INTERPRETER_SHAPES if interpreter else GPU_SHAPES))
         epilogue_shapes = parse_shapes(",".join(INTERPRETER_EPILOGUE_SHAPES if interpreter
                                                 else GPU_EPILOGUE_SHAPES))
+        async_shapes = parse_shapes(",".join(INTERPRETER_ASYNC_SHAPES if interpreter else GPU_ASYNC_SHAPES))
     dtype = opts.dtype
     _allow_tf32(dtype)
     if "epilogue" in variants and dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -349,6 +375,10 @@ def bench_cases(opts: argparse.Namespace, device: torch.device) -> list[BenchCas
     if "epilogue" in variants:
         cases += [_case(s, dtype, opts.layout, device, opts.seed, True, split_k, wanted)
                   for s in epilogue_shapes]
+    if "async" in variants:
+        keep = None if wanted is None else wanted | {"tk.gemm", "torch _async_input_mm"}
+        cases += [_case(s, dtype, opts.layout, device, opts.seed, False, 1, keep, async_input=True)
+                  for s in async_shapes]
     return cases
 
 

@@ -1,4 +1,5 @@
 from .configs import GemmConfig, override_config
-from .gemm import gemm
+from .gemm import async_input_mm, gemm
+from .scheduler import AsyncInputScheduler
 
-__all__ = ["GemmConfig", "gemm", "override_config"]
+__all__ = ["AsyncInputScheduler", "GemmConfig", "async_input_mm", "gemm", "override_config"]

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .._runtime import cast_for_store, compensated_dot, dot, offset_i64
-from .scheduler import tile_coords
+from .scheduler import tile_coords, wait_for_rows
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def epilogue_store(acc, c_ptr, stride_cm, stride_cn, offs_m, offs_n, M, N, alpha
     tl.store(c_ptrs, cast_for_store(out, c_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["signal_value", "max_spins"])
 def gemm_kernel(
     a, b, c, partials,
     M, N, K, k_per_split, num_programs,
@@ -106,6 +106,7 @@ def gemm_kernel(
     mul0_ptr, stride_mul0_m, stride_mul0_n,
     mul1_ptr, stride_mul1_m, stride_mul1_n,
     res_ptr, stride_res_m, stride_res_n,
+    signals, errors, rows_per_chunk, pivot_tile_m, signal_value, max_spins,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -114,6 +115,7 @@ def gemm_kernel(
     HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
     NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
+    ASYNC_INPUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -126,12 +128,22 @@ def gemm_kernel(
     # loop with the tile loop, and this keeps the epilogue's indices off the pipelined loop's path.
     tile_id_c = pid - num_programs
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n, pid_k = tile_coords(tile_id, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n, pid_k = tile_coords(tile_id, tiles_m, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         k_start = pid_k * k_per_split
         k_end = min(K, k_start + k_per_split)
         k_tiles = tl.cdiv(k_end - k_start, BLOCK_K)
+        rows_valid = M
+        if ASYNC_INPUT:
+            # pid_m is the pivoted tile: the rows waited for are the rows read and written. A tile whose
+            # chunk never came runs no K steps (its A loads also depend on the wait's result, through
+            # off_m, so no load of A can be scheduled ahead of the wait) and stores nothing.
+            ready = wait_for_rows(signals, errors, off_m, min(M, off_m + BLOCK_M), rows_per_chunk,
+                                  signal_value, max_spins)
+            k_tiles = tl.where(ready, k_tiles, 0)
+            off_m = tl.where(ready, off_m, M)
+            rows_valid = tl.where(ready, M, 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
         comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
@@ -174,11 +186,11 @@ def gemm_kernel(
                 b_ptrs += BLOCK_K * stride_bk
 
         tile_id_c += num_programs
-        pid_m, pid_n, pid_k = tile_coords(tile_id_c, tiles_m, tiles_n, GROUP_M)
+        pid_m, pid_n, pid_k = tile_coords(tile_id_c, tiles_m, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLIT_K > 1:
-            mask = (offs_cm < M)[:, None] & (offs_cn < N)[None, :]
+            mask = (offs_cm < rows_valid)[:, None] & (offs_cn < N)[None, :]
             p_ptrs = (partials + offset_i64(pid_k, M) * N + offset_i64(offs_cm, N)[:, None]
                       + offs_cn[None, :])
             tl.store(p_ptrs, acc, mask=mask)
@@ -195,7 +207,7 @@ def gemm_kernel(
                 else:
                     tile = acc
                     offs_part = offs_cn
-                epilogue_store(tile, c, stride_cm, stride_cn, offs_cm, offs_part, M, N, alpha, beta,
+                epilogue_store(tile, c, stride_cm, stride_cn, offs_cm, offs_part, rows_valid, N, alpha, beta,
                                scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
                                bias_ptr, stride_bias_m, stride_bias_n,
                                mul0_ptr, stride_mul0_m, stride_mul0_n,

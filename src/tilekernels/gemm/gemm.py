@@ -12,10 +12,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import (cdiv, check_runnable, direct_launcher, fp32_precision, is_interpreter, sm_count,
-                        supports_tensor_descriptors)
+from .._runtime import (cdiv, check_errors, check_runnable, direct_launcher, error_table, fp32_precision,
+                        is_interpreter, sm_count, supports_tensor_descriptors)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
+from .scheduler import AsyncInputScheduler
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
@@ -130,6 +131,21 @@ def _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, sca
         raise TypeError(f"config must be a tilekernels GemmConfig, got {type(config).__name__}")
 
 
+def _check_async_input(async_input, a: torch.Tensor) -> None:
+    if async_input is None:
+        return
+    if not isinstance(async_input, AsyncInputScheduler):
+        raise TypeError(f"async_input must be a tk.AsyncInputScheduler, got {type(async_input).__name__}")
+    signals = async_input.chunk_signals
+    if signals.device != a.device:
+        raise ValueError(f"async_input: chunk_signals is on {signals.device} but a is on {a.device}")
+    M = a.shape[0]
+    if cdiv(M, async_input.rows_per_chunk) != async_input.num_chunks:
+        raise ValueError(f"async_input: A's {M} rows in chunks of {async_input.rows_per_chunk} make "
+                         f"{cdiv(M, async_input.rows_per_chunk)} chunks, but chunk_signals has "
+                         f"{async_input.num_chunks} elements")
+
+
 # ----------------------------------------------------------------------------------------------------
 # launch
 
@@ -194,21 +210,29 @@ class _Plan:
     """
 
     __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "num_programs",
-                 "ints", "epilogue_strides", "constexprs", "epilogue_flags", "acc_int", "launch")
+                 "ints", "epilogue_strides", "async_ints", "constexprs", "epilogue_flags", "acc_int", "launch")
 
 
 _PLANS: dict[tuple, _Plan] = {}
 _MAX_PLANS = 1024  # distinct call signatures kept; the oldest is dropped past this
 
 
-def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k):
-    return (a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0, b.shape[1], b.stride(),
+def _async_key(async_input):
+    # signal_value and max_spins are not specialised (do_not_specialize); only their integer width is.
+    if async_input is None:
+        return None
+    signals, rows_per_chunk, pivot_chunk, signal_value, _ = async_input
+    return _meta(signals), rows_per_chunk, pivot_chunk, -2**31 <= signal_value < 2**31
+
+
+def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input):
+    return (_async_key(async_input), a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0, b.shape[1], b.stride(),
             b.data_ptr() % 16 == 0, c.dtype, c.stride(), c.data_ptr() % 16 == 0, _meta(bias), _meta(residual),
             tuple(_meta(m) for m in mul), _meta(scale_a), _meta(scale_b), activation, alpha != 1.0, split_k,
             active_override(), fp32_precision() if a.dtype == torch.float32 else None)
 
 
-def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k) -> _Plan:
+def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input) -> _Plan:
     M, K = a.shape
     N = b.shape[1]
     cfg = select_config(M, N, K, a.dtype, a.device)
@@ -241,6 +265,10 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
                              *_bcast_strides(mul[0] if len(mul) > 0 else None, M, N),
                              *_bcast_strides(mul[1] if len(mul) > 1 else None, M, N),
                              *_bcast_strides(residual, M, N))
+    plan.async_ints = (0, 0)
+    if async_input is not None:
+        rows_per_chunk, pivot_chunk = async_input[1], async_input[2]
+        plan.async_ints = (rows_per_chunk, pivot_chunk * rows_per_chunk // cfg.block_m)  # rows per chunk, pivot tile
     plan.acc_int = a.dtype == torch.int8
     plan.epilogue_flags = dict(
         HAS_ALPHA=alpha != 1.0, HAS_SCALE_A=scale_a is not None, HAS_SCALE_B=scale_b is not None,
@@ -259,20 +287,26 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
         EPILOGUE_SUBTILE=heavy_epilogue and cfg.block_n >= 32 and split_k == 1,
         **plan.epilogue_flags,
+        ASYNC_INPUT=async_input is not None,
     )
     return plan
 
 
-def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k) -> None:
+def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
+            async_input=None) -> None:
+    """``async_input``: None, or (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins)."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     if a.is_cuda and a.device.index != torch.cuda.current_device():
         with torch.cuda.device(a.device):  # triton launches on the current device
-            return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k)
-    key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k)
+            return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
+                           async_input)
+    if async_input is not None:
+        check_errors(a.device, "chunk")  # an earlier call's timeout that has landed by now
+    key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k)
+        plan = _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
         if len(_PLANS) >= _MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]
         _PLANS[key] = plan
@@ -292,7 +326,12 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     mul1 = mul[1] if len(mul) > 1 else None
     epilogue_args = (alpha, beta, scale_a, ssa, scale_b, ssb, bias, sbm, sbn, mul0, sm0m, sm0n, mul1, sm1m, sm1n,
                      residual, srm, srn)
-    args = (a_arg, b_arg, c, partials, *plan.ints, *epilogue_args)
+    if async_input is None:
+        wait_args = (None, None, 0, 0, 0, 0)
+    else:
+        signals, _, _, signal_value, max_spins = async_input
+        wait_args = (signals, error_table(a.device, signals.numel()), *plan.async_ints, signal_value, max_spins)
+    args = (a_arg, b_arg, c, partials, *plan.ints, *epilogue_args, *wait_args)
     if plan.launch is not None:
         plan.launch(plan.num_programs, args + tuple(plan.constexprs.values()))
     else:
@@ -306,6 +345,8 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
             partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args,
             SPLIT_K=plan.split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags, num_warps=4,
         )
+    if async_input is not None and not a.is_cuda:
+        check_errors(a.device, "chunk")  # the interpreter has finished the kernel: report at once
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -316,14 +357,16 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
 def _gemm_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
              mul: list[torch.Tensor], activation: Optional[str], alpha: float, beta: float,
              scale_a: Optional[torch.Tensor], scale_b: Optional[torch.Tensor], out_dtype: torch.dtype,
-             split_k: int) -> torch.Tensor:
+             split_k: int, chunk_signals: Optional[torch.Tensor], rows_per_chunk: int, pivot_chunk: int,
+             signal_value: int, max_spins: int) -> torch.Tensor:
     c = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k)
+    _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
+            _async_tuple(chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins))
     return c
 
 
 @_gemm_op.register_fake
-def _(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, out_dtype, split_k):
+def _(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, out_dtype, split_k, *async_args):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -331,13 +374,23 @@ def _(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, out_
 def _gemm_out_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                  mul: list[torch.Tensor], activation: Optional[str], alpha: float, beta: float,
                  scale_a: Optional[torch.Tensor], scale_b: Optional[torch.Tensor], split_k: int,
-                 out: torch.Tensor) -> None:
-    _launch(a, b, out, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k)
+                 chunk_signals: Optional[torch.Tensor], rows_per_chunk: int, pivot_chunk: int, signal_value: int,
+                 max_spins: int, out: torch.Tensor) -> None:
+    _launch(a, b, out, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
+            _async_tuple(chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins))
 
 
 @_gemm_out_op.register_fake
-def _(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k, out):
+def _(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k, chunk_signals,
+      rows_per_chunk, pivot_chunk, signal_value, max_spins, out):
     return None
+
+
+def _async_tuple(chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins):
+    """The async-input arguments as ``_launch`` takes them (the ops carry them flat)."""
+    if chunk_signals is None:
+        return None
+    return chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -355,7 +408,7 @@ def _sum_to(grad: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, out_dtype, split_k = inputs
+    a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b = inputs[:10]
     ctx.save_for_backward(a, b)
     ctx.alpha, ctx.beta = alpha, beta
     ctx.num_mul = len(mul)
@@ -377,8 +430,8 @@ def _backward(ctx, grad):
     if ctx.residual_shape is not None and ctx.needs_input_grad[3]:
         shape, dtype = ctx.residual_shape
         grad_residual = _sum_to(grad.float() * ctx.beta, shape).to(dtype)
-    return (grad_a, grad_b, grad_bias, grad_residual, [None] * ctx.num_mul, None, None, None, None, None, None,
-            None)
+    # activation, alpha, beta, scale_a, scale_b, out_dtype, split_k and the five async-input arguments
+    return (grad_a, grad_b, grad_bias, grad_residual, [None] * ctx.num_mul) + (None,) * 12
 
 
 torch.library.register_autograd("tilekernels::gemm", _backward, setup_context=_setup_context)
@@ -391,7 +444,8 @@ torch.library.register_autograd("tilekernels::gemm", _backward, setup_context=_s
 def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, mul: Sequence[torch.Tensor] = (), activation: str | None = None,
          alpha: float = 1.0, beta: float = 1.0, scale_a=None, scale_b=None, out_dtype: torch.dtype | None = None,
-         out: torch.Tensor | None = None, split_k: int | str = 1, config: GemmConfig | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, split_k: int | str = 1, config: GemmConfig | None = None,
+         async_input: AsyncInputScheduler | None = None) -> torch.Tensor:
     """``epilogue(a @ b)`` in one persistent kernel.
 
     Args:
@@ -413,6 +467,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
             cannot fill the GPU and K is long); partial sums are added in a fixed order, so the
             result is bit-identical run to run.
         config: a ``GemmConfig`` overriding the launch heuristic (tests, tuning).
+        async_input: a ``tk.AsyncInputScheduler``: A's rows arrive in chunks, each announced by a
+            signal; every tile waits for the chunks its rows touch, the pivot chunk's tiles first (see
+            ``tk.async_input_mm`` and ``gemm/scheduler.py`` for the protocol).
 
     Epilogue order: ``acc*alpha*scale_a*scale_b + bias -> activation -> * mul... -> + beta*residual
     -> cast``, all in fp32. Autograd covers ``alpha * a @ b + bias + beta * residual``; with an
@@ -423,6 +480,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
     """
     _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, out_dtype, out,
                 split_k, config)
+    _check_async_input(async_input, a)
+    if async_input is None:
+        wait = (None, 0, 0, 0, 0)
+    else:
+        wait = (async_input.chunk_signals, async_input.rows_per_chunk, async_input.pivot_chunk,
+                async_input.signal_value, async_input.spins())
     mul = list(mul)
     alpha = float(alpha)
     if isinstance(scale_a, numbers.Real):
@@ -441,17 +504,49 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
         with override_config(config):
             return gemm(a, b, bias=bias, residual=residual, mul=mul, activation=activation, alpha=alpha,
                         beta=beta, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out,
-                        split_k=split_k)
+                        split_k=split_k, async_input=async_input)
     if not needs_grad and type(a) is torch.Tensor and not torch.compiler.is_compiling():
         # Eager fast path: the same launch the custom op makes, minus ~45 us of dispatcher overhead
         # per call (measured on an H100), which is as long as a whole skinny GEMM.
         c = out if out is not None else torch.empty((a.shape[0], b.shape[1]), device=a.device,
                                                     dtype=out_dtype or _default_out_dtype(a.dtype))
-        _launch(a, b, c, bias, residual, mul, activation, alpha, float(beta), scale_a, scale_b, split)
+        _launch(a, b, c, bias, residual, mul, activation, alpha, float(beta), scale_a, scale_b, split,
+                _async_tuple(*wait))
         return c
     if out is not None:
         torch.ops.tilekernels.gemm_out(a, b, bias, residual, mul, activation, alpha, float(beta), scale_a,
-                                       scale_b, split, out)
+                                       scale_b, split, *wait, out)
         return out
     return torch.ops.tilekernels.gemm(a, b, bias, residual, mul, activation, alpha, float(beta), scale_a,
-                                      scale_b, out_dtype or _default_out_dtype(a.dtype), split)
+                                      scale_b, out_dtype or _default_out_dtype(a.dtype), split, *wait)
+
+
+def async_input_mm(a: torch.Tensor, b: torch.Tensor, chunk_signals: torch.Tensor, chunk_pivot: int = 0, *,
+                   signal_value: int = 1, max_spins: int | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` while A's rows are still arriving: PyTorch's ``torch.ops.symm_mem._async_input_mm``
+    contract, in every layout and dtype ``tk.gemm`` takes.
+
+    A's M rows form ``len(chunk_signals)`` equal chunks (M must divide); chunk ``c`` may be read once
+    ``chunk_signals[c] >= signal_value`` (int32 or uint32 signals on A's device), and chunk
+    ``chunk_pivot`` is computed first. Bump ``signal_value`` from call to call instead of zeroing the
+    signals. A chunk that never arrives within ``max_spins`` polls raises ``TimeoutError`` naming it
+    (see ``tk.AsyncInputScheduler``); the tiles of the other chunks are still computed.
+
+    Example (the consumer; a producer on another stream copies chunk c, then sets its signal):
+        >>> signals = torch.zeros(world, dtype=torch.int32, device="cuda")
+        >>> y = tk.async_input_mm(a_gathered, w, signals, chunk_pivot=rank, signal_value=epoch)
+    """
+    if not isinstance(a, torch.Tensor) or a.dim() != 2:
+        _check_args(a, b, None, None, (), None, 1.0, 1.0, None, None, None, out, 1, None)
+    if not isinstance(chunk_signals, torch.Tensor):
+        raise TypeError(f"chunk_signals must be a torch.Tensor, got {type(chunk_signals).__name__}")
+    M, num_chunks = a.shape[0], chunk_signals.numel()
+    if num_chunks < 1 or M % num_chunks:
+        raise ValueError(f"async_input_mm: A's {M} rows must split into len(chunk_signals) = {num_chunks} "
+                         "equal chunks")
+    if M == 0:
+        return gemm(a, b, out=out)
+    scheduler = AsyncInputScheduler(chunk_signals, M // num_chunks, pivot_chunk=chunk_pivot,
+                                    signal_value=signal_value, max_spins=max_spins)
+    return gemm(a, b, out=out, async_input=scheduler)

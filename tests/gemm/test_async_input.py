@@ -1,0 +1,313 @@
+"""The async-input GEMM (``tk.AsyncInputScheduler``, ``tk.async_input_mm``).
+
+Tiles are only reordered and gated, never computed differently, so every result must be bit-identical
+to ``tk.gemm`` on the same inputs and config. A's rows of a chunk that has not arrived are NaN wherever
+a test can arrange it: reading a row before its chunk's signal (a pivot mismatch, seed 000) shows.
+
+CPU lane: the interpreter runs programs one after another, so a producer cannot run beside the GEMM:
+signals are preset (a missing chunk times out after the interpreter's short default spin count).
+GPU lane: a producer on a second stream copies A chunk by chunk with the copy engine (no SMs, which the
+waiting GEMM occupies), in random order with random delays.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+import tilekernels as tk
+from tilekernels.gemm.configs import GemmConfig, override_config
+from tilekernels.testing import assert_close, poisoned, random_matrix, reference_gemm
+
+gpu = pytest.mark.gpu
+LAYOUTS = ("RR", "RC", "CR", "CC")
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+
+# The interpreter's GEMM config is 32x32x32: chunks of 32 rows are whole tiles, 24 and 40 straddle.
+CHUNKINGS = {"whole": 32, "straddle24": 24, "straddle40": 40}
+M, N, K = 96, 40, 48
+
+
+def operands(layout, dtype, device, m=M, n=N, k=K):
+    a = random_matrix(m, k, dtype, device, column_major=layout[0] == "C")
+    b = random_matrix(k, n, dtype, device, column_major=layout[1] == "C")
+    return a, b
+
+
+def chunk_rows(chunk, rows_per_chunk, m):
+    return slice(chunk * rows_per_chunk, min(m, (chunk + 1) * rows_per_chunk))
+
+
+def num_chunks(rows_per_chunk, m=M):
+    return -(-m // rows_per_chunk)
+
+
+# ====================================================================================================
+# CPU lane
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_pivot_matches_gemm(layout, dtype, chunking, device):
+    a, b = operands(layout, dtype, device)
+    plain = tk.gemm(a, b)
+    assert_close("plain", plain, reference_gemm(a, b), reference_gemm(a, b, compute_dtype=None))
+    rows = CHUNKINGS[chunking]
+    signals = torch.ones(num_chunks(rows), dtype=torch.int32, device=device)
+    for pivot in range(signals.numel()):
+        out = poisoned((M, N), dtype, device)
+        tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(signals, rows, pivot_chunk=pivot))
+        assert torch.equal(out, plain), f"pivot {pivot}: differs from tk.gemm"
+
+
+def test_epochs_advance_without_zeroing(device):
+    """Three calls, each after the producer raised every signal to the next epoch; then a call whose
+    epoch the signals have not reached times out instead of reading stale rows."""
+    a, b = operands("RR", torch.float32, device)
+    plain = tk.gemm(a, b)
+    signals = torch.zeros(3, dtype=torch.int32, device=device)
+    for epoch in (1, 2, 3):
+        signals.fill_(epoch)
+        out = tk.async_input_mm(a, b, signals, chunk_pivot=epoch % 3, signal_value=epoch)
+        assert torch.equal(out, plain), f"epoch {epoch}"
+    with pytest.raises(TimeoutError, match=r"chunk\(s\) 0, 1, 2 "):
+        tk.async_input_mm(a, b, signals, signal_value=4, max_spins=3)
+    # the error was reported and cleared: the next good call runs
+    assert torch.equal(tk.async_input_mm(a, b, signals, signal_value=3), plain)
+    tk.raise_pending_errors()
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS, ids=str)
+@pytest.mark.parametrize("layout", ["RR", "CC"])
+def test_missing_chunk_times_out_and_the_rest_is_exact(layout, chunking, device):
+    """Chunk `missing` is never signalled and its rows of A are NaN: TimeoutError names it, and every
+    output row whose tile touches only arrived chunks is exact (a pivot mismatch would read NaN rows)."""
+    rows = CHUNKINGS[chunking]
+    a_full, b = operands(layout, torch.float32, device)
+    plain = tk.gemm(a_full, b)
+    chunks = num_chunks(rows)
+    block_m = 32
+    for missing in range(chunks):
+        for pivot in range(chunks):
+            a = a_full.clone() if layout[0] == "R" else a_full.t().clone().t()
+            lost = chunk_rows(missing, rows, M)
+            a[lost] = float("nan")
+            signals = torch.ones(chunks, dtype=torch.int32, device=device)
+            signals[missing] = 0
+            out = poisoned((M, N), torch.float32, device)
+            with pytest.raises(TimeoutError, match=rf"chunk\(s\) {missing} "):
+                tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(signals, rows, pivot, max_spins=2))
+            # tiles are BLOCK_M rows: a tile touching the missing chunk is skipped whole
+            skipped = torch.zeros(M, dtype=torch.bool)
+            for t in range(-(-M // block_m)):
+                tile = range(t * block_m, min(M, (t + 1) * block_m))
+                if any(lost.start <= r < lost.stop for r in tile):
+                    skipped[t * block_m:(t + 1) * block_m] = True
+            kept = ~skipped.to(device)
+            assert torch.equal(out[kept], plain[kept]), f"missing {missing}, pivot {pivot}: arrived rows differ"
+            assert torch.isnan(out[~kept]).all(), f"missing {missing}, pivot {pivot}: a skipped tile was written"
+
+
+def test_async_input_mm_contract(device):
+    """Equal chunks, uint32 signals, out=, the chunk_pivot argument and split-K."""
+    a, b = operands("RC", torch.float16, device)
+    plain = tk.gemm(a, b)
+    signals = torch.full((4,), 7, dtype=torch.uint32, device=device)
+    for pivot in range(4):
+        assert torch.equal(tk.async_input_mm(a, b, signals, pivot, signal_value=7), plain)
+    out = poisoned((M, N), torch.float16, device)
+    result = tk.async_input_mm(a, b, signals, 2, signal_value=5, out=out)
+    assert result is out and torch.equal(out, plain)
+    split = tk.gemm(a, b, split_k=2)
+    assert torch.equal(tk.gemm(a, b, split_k=2, async_input=tk.AsyncInputScheduler(signals, 24, 3, 7)), split)
+
+
+def test_epilogue_and_config(device):
+    """The epilogue reads the pivoted rows too (bias [M, N], residual), with several tiles per program."""
+    a, b = operands("CR", torch.float32, device)
+    bias = torch.randn(M, N, device=device)
+    residual = torch.randn(M, N, device=device)
+    config = GemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1)
+    plain = tk.gemm(a, b, bias=bias, residual=residual, activation="silu", config=config)
+    signals = torch.ones(6, dtype=torch.int32, device=device)
+    for pivot in (0, 5):
+        out = tk.gemm(a, b, bias=bias, residual=residual, activation="silu", config=config,
+                      async_input=tk.AsyncInputScheduler(signals, 16, pivot))
+        assert torch.equal(out, plain), f"pivot {pivot}"
+
+
+def test_torch_compile(device):
+    a, b = operands("RR", torch.float32, device)
+    signals = torch.ones(3, dtype=torch.int32, device=device)
+    compiled = torch.compile(lambda a, b, s: tk.async_input_mm(a, b, s, 1), fullgraph=True)
+    assert torch.equal(compiled(a, b, signals), tk.gemm(a, b))
+
+
+def _bad_cases():
+    def sig(n=3, dtype=torch.int32, device="cpu"):
+        return torch.ones(n, dtype=dtype, device=device)
+
+    S = tk.AsyncInputScheduler
+    return [
+        pytest.param(lambda a, b, d: S(sig(device=d), 0), ValueError, "rows_per_chunk", id="rows0"),
+        pytest.param(lambda a, b, d: S(sig(dtype=torch.float32, device=d), 32), TypeError, "chunk_signals",
+                     id="float-signals"),
+        pytest.param(lambda a, b, d: S(sig(dtype=torch.int64, device=d), 32), TypeError, "chunk_signals",
+                     id="int64-signals"),
+        pytest.param(lambda a, b, d: S(torch.ones(3, 1, dtype=torch.int32, device=d), 32), ValueError,
+                     "chunk_signals", id="2d-signals"),
+        pytest.param(lambda a, b, d: S(sig(device=d), 32, pivot_chunk=3), ValueError, "pivot_chunk",
+                     id="pivot-past"),
+        pytest.param(lambda a, b, d: S(sig(device=d), 32, pivot_chunk=-1), ValueError, "pivot_chunk",
+                     id="pivot-negative"),
+        pytest.param(lambda a, b, d: S(sig(device=d), 32, signal_value=2**31), ValueError, "signal_value",
+                     id="epoch-past-int32"),
+        pytest.param(lambda a, b, d: S(sig(device=d), 32, max_spins=0), ValueError, "max_spins", id="spins0"),
+        pytest.param(lambda a, b, d: tk.gemm(a, b, async_input=S(sig(device=d), 20)), ValueError, "chunk_signals",
+                     id="chunk-count"),
+        pytest.param(lambda a, b, d: tk.gemm(a, b, async_input=S(sig(device="meta"), 32)), ValueError,
+                     "chunk_signals", id="signals-device"),
+        pytest.param(lambda a, b, d: tk.gemm(a, b, async_input=sig(device=d)), TypeError, "async_input",
+                     id="not-a-scheduler"),
+        pytest.param(lambda a, b, d: tk.async_input_mm(a, b, sig(5, device=d)), ValueError, "chunk_signals",
+                     id="m-not-divisible"),
+        pytest.param(lambda a, b, d: tk.async_input_mm(a, b, sig(device=d), 3), ValueError, "pivot_chunk",
+                     id="mm-pivot"),
+        pytest.param(lambda a, b, d: tk.async_input_mm(a, b, [1, 1, 1]), TypeError, "chunk_signals",
+                     id="signals-list"),
+    ]
+
+
+@pytest.mark.parametrize("build, error, match", _bad_cases())
+def test_bad_input(build, error, match, device):
+    a, b = operands("RR", torch.float32, device)
+    with pytest.raises(error, match=rf"\b{match}\b"):
+        build(a, b, device.type if device.type == "cpu" else str(device))
+
+
+# ====================================================================================================
+# GPU lane
+
+
+class ChunkProducer:
+    """Writes A chunk by chunk on its own stream, in a random order with random host-side delays:
+    each chunk is a copy-engine copy from pinned host memory, then its signal is raised to the epoch by
+    a second copy-engine copy (ordered after the first on the stream). Nothing here needs an SM, which
+    the waiting GEMM's persistent programs occupy."""
+
+    def __init__(self, host_a: torch.Tensor, rows_per_chunk: int, signals: torch.Tensor, seed: int):
+        self.host_a, self.rows, self.signals = host_a, rows_per_chunk, signals
+        self.stream = torch.cuda.Stream()
+        self.rng = random.Random(seed)
+        self.keep = []  # pinned epoch words, alive until the copies that read them have run
+
+    def produce(self, a: torch.Tensor, epoch: int, max_delay_s: float = 200e-6) -> None:
+        order = list(range(self.signals.numel()))
+        self.rng.shuffle(order)
+        word = torch.full((1,), epoch, dtype=self.signals.dtype, pin_memory=True)
+        self.keep.append(word)
+        with torch.cuda.stream(self.stream):
+            for chunk in order:
+                time.sleep(self.rng.uniform(0, max_delay_s))
+                rows = chunk_rows(chunk, self.rows, a.shape[0])
+                a[rows].copy_(self.host_a[rows], non_blocking=True)
+                self.signals[chunk:chunk + 1].copy_(word, non_blocking=True)
+
+
+@gpu
+@pytest.mark.parametrize("m, chunks", [(2048, 8), (2000, 8)], ids=["whole-tiles", "straddling"])
+def test_gpu_producer_on_second_stream(m, chunks, device):
+    """100 calls, epochs 1..100 (signals never zeroed), the producer racing the GEMM: bit-exact with
+    tk.gemm on the whole A every time."""
+    n, k = 1024, 1024
+    host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
+    b = random_matrix(k, n, torch.bfloat16, device, column_major=True)
+    expected = tk.gemm(host_a.to(device), b)
+    signals = torch.zeros(chunks, dtype=torch.int32, device=device)
+    producer = ChunkProducer(host_a, m // chunks, signals, seed=m)
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    for epoch in range(1, 101):
+        a.fill_(float("nan"))
+        producer.stream.wait_stream(torch.cuda.current_stream())
+        out = tk.async_input_mm(a, b, signals, chunk_pivot=epoch % chunks, signal_value=epoch)
+        producer.produce(a, epoch)
+        torch.cuda.current_stream().wait_stream(producer.stream)
+        torch.cuda.synchronize()
+        tk.raise_pending_errors()
+        assert torch.equal(out, expected), f"epoch {epoch}: differs from tk.gemm"
+
+
+@gpu
+def test_gpu_producer_in_cuda_graph(device):
+    """The consumer and the producer's copies captured in one graph; each replay gets new data."""
+    m, n, k, chunks = 2048, 1024, 1024, 4
+    host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
+    b = random_matrix(k, n, torch.bfloat16, device, column_major=True)
+    signals = torch.zeros(chunks, dtype=torch.int32, device=device)
+    producer = ChunkProducer(host_a, m // chunks, signals, seed=1)
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        signals.fill_(1)
+        tk.async_input_mm(a, b, signals, chunk_pivot=1, signal_value=1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        producer.stream.wait_stream(torch.cuda.current_stream())
+        out = tk.async_input_mm(a, b, signals, chunk_pivot=1, signal_value=1)
+        producer.produce(a, 1, max_delay_s=0)
+        torch.cuda.current_stream().wait_stream(producer.stream)
+    for rep in range(5):
+        host_a.copy_(torch.randn(m, k, dtype=torch.bfloat16))
+        signals.zero_()
+        a.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        tk.raise_pending_errors()
+        assert torch.equal(out, tk.gemm(host_a.to(device), b)), f"replay {rep}"
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn],
+                         ids=["bf16", "fp16", "fp32", "fp8e4m3"])
+def test_gpu_preset_signals_every_layout_and_dtype(layout, dtype, device):
+    m, n, k = 1000, 768, 512
+    a = random_matrix(m, k, torch.float32, device, column_major=layout[0] == "C").to(dtype)
+    b = random_matrix(k, n, torch.float32, device, column_major=layout[1] == "C").to(dtype)
+    plain = tk.gemm(a, b)
+    signals = torch.full((8,), 3, dtype=torch.int32, device=device)
+    for pivot in (0, 3, 7):
+        assert torch.equal(tk.async_input_mm(a, b, signals, pivot, signal_value=3), plain), f"pivot {pivot}"
+    signals = torch.full((5,), 3, dtype=torch.int32, device=device)  # chunks of 200 rows straddle tiles
+    assert torch.equal(tk.gemm(a, b, async_input=tk.AsyncInputScheduler(signals, 200, 4, 3)), plain)
+
+
+@gpu
+def test_gpu_missing_chunk_times_out(device):
+    """A never-signalled chunk: the kernel ends (no hang), tk.raise_pending_errors() names the chunk,
+    the other chunks' rows are exact, and the next call runs normally."""
+    m, n, k, chunks = 2048, 1024, 512, 4
+    a, b = random_matrix(m, k, torch.bfloat16, device), random_matrix(k, n, torch.bfloat16, device)
+    plain = tk.gemm(a, b)
+    signals = torch.ones(chunks, dtype=torch.int32, device=device)
+    signals[2] = 0
+    out = poisoned((m, n), torch.bfloat16, device)
+    start = time.perf_counter()
+    tk.async_input_mm(a, b, signals, chunk_pivot=1, max_spins=1000, out=out)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - start < 30, "the bounded wait took too long"
+    with pytest.raises(TimeoutError, match=r"chunk\(s\) 2 "):
+        tk.raise_pending_errors()
+    rows = m // chunks
+    kept = torch.ones(m, dtype=torch.bool, device=device)
+    kept[2 * rows:3 * rows] = False
+    assert torch.equal(out[kept], plain[kept])
+    signals[2] = 1
+    assert torch.equal(tk.async_input_mm(a, b, signals, chunk_pivot=1), plain)
+    tk.raise_pending_errors()

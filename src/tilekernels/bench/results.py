@@ -64,9 +64,8 @@ def import_rows(results_dir: pathlib.Path, files: Sequence[pathlib.Path]) -> lis
     return messages
 
 
-def _latest(rows: Sequence[dict], mode: str, timing: str | None = None) -> list[dict]:
-    runs = [r for r in rows if r.get("mode", "bench") == mode and not r.get("interpreter")
-            and (timing is None or r.get("timing", "eager") == timing)]
+def _latest(rows: Sequence[dict], mode: str) -> list[dict]:
+    runs = [r for r in rows if r.get("mode", "bench") == mode and not r.get("interpreter")]
     if not runs:
         return []
     last = max(runs, key=lambda r: (r.get("date", ""), r.get("run_id", "")))["run_id"]

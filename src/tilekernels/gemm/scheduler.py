@@ -22,7 +22,8 @@ once ``chunk_signals[c] >= signal_value``. The protocol, as the kernel runs it:
   engine may be the producer) — triton runs a scalar atomic in one thread and broadcasts the value
   through shared memory behind a CTA barrier, so the other threads' loads of A come after the acquire;
   between polls the thread sleeps (``nanosleep``). The producer writes the rows, then the signal with
-  release semantics (``stream_write_value32`` on its stream after the copy, or ``signal_chunk`` here).
+  release semantics on its stream after the copy: ``stream_write_value32``, or a copy-engine copy of the
+  epoch (the tests and the example) — neither needs an SM, which the waiting programs occupy.
 - Signals are epochs: ready means ``>= signal_value``, so a caller bumps ``signal_value`` each call
   and never zeroes the signals or barriers between calls.
 - Bounded: after ``max_spins`` polls the chunk is recorded in the error table (``_runtime``), the tile
@@ -109,18 +110,6 @@ def wait_for_rows(signals, errors, row_start, row_end, rows_per_chunk, signal_va
     for chunk in range(first, last + 1):
         ready = ready & wait_chunk(signals, errors, chunk, signal_value, max_spins)
     return ready
-
-
-@triton.jit
-def _signal_kernel(signals, index, value):
-    tl.atomic_xchg(signals + index, value, sem="release", scope="sys")
-
-
-def signal_chunk(chunk_signals: torch.Tensor, chunk: int, value: int = 1) -> None:
-    """Set ``chunk_signals[chunk] = value`` with release semantics, in stream order on the current
-    stream (one program of one thread's work): what a producer enqueues after writing a chunk's rows.
-    ``torch.ops.symm_mem.stream_write_value32_`` does the same without occupying an SM."""
-    _signal_kernel[(1,)](chunk_signals, chunk, value, num_warps=1)
 
 
 class AsyncInputScheduler:

@@ -188,6 +188,44 @@ def compensated_dot(a, b, acc, comp):
 
 
 # ----------------------------------------------------------------------------------------------------
+# trace events: kernels that take ``TRACE`` record (kind, start, end, tag) spans (tk.dist's trace=True;
+# the host side is dist/trace.py)
+
+TRACE_FETCH = tl.constexpr(1)
+TRACE_WAIT = tl.constexpr(2)
+TRACE_COMPUTE = tl.constexpr(3)
+
+
+@triton.jit
+def trace_clock(clock):
+    """Now, as int64: ``%globaltimer`` ns on a GPU; under the interpreter the next tick of ``clock[0]``."""
+    if INTERPRET:
+        now = tl.atomic_add(clock, 1).to(tl.int64)
+    else:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+    return now
+
+
+@triton.jit
+def trace_event(events, clock, program, slot, kind, start, tag, MAX_EVENTS: tl.constexpr):
+    """Record ``(kind, start, now, tag)`` in row ``slot`` of ``program``; returns the next slot.
+
+    ``events``: int64 ``[programs, MAX_EVENTS, 4]``; ``start``: an earlier ``trace_clock``; ``kind``:
+    ``TRACE_FETCH | TRACE_WAIT | TRACE_COMPUTE``; ``tag``: an int the trace shows (tile, chunk, peer).
+    """
+    end = trace_clock(clock)
+    if slot < MAX_EVENTS:
+        row = events + (program * MAX_EVENTS + slot).to(tl.int64) * 4
+        tl.store(row + 1, start)
+        tl.store(row + 2, end)
+        tl.store(row + 3, tag)
+        tl.store(row, kind)
+    return slot + 1
+
+
+
+# ----------------------------------------------------------------------------------------------------
 # launching a compiled kernel again without re-binding its arguments
 
 
@@ -269,11 +307,27 @@ def check_errors(device: torch.device, what: str) -> None:
             "output rows were not written). Check the producer, its signal_value (epoch) and stream.")
 
 
+# Other owners of error tables (tk.dist workspaces): (device, weak reference to their ``check``).
+_ERROR_CHECKS: list = []
+
+
+def register_error_check(device: torch.device, weak_check) -> None:
+    """Have ``raise_pending_errors`` also synchronise ``device`` and call ``weak_check()()`` (a
+    ``weakref.WeakMethod``)."""
+    _ERROR_CHECKS[:] = [(d, w) for d, w in _ERROR_CHECKS if w() is not None] + [(device, weak_check)]
+
+
 def raise_pending_errors() -> None:
     """Wait for the work queued on every device that ran a bounded-wait kernel and raise
-    ``TimeoutError`` if any wait gave up (see ``tk.AsyncInputScheduler``)."""
-    for (kind, index) in list(_ERROR_TABLES):
-        device = torch.device(kind, index)
-        if kind == "cuda":
+    ``TimeoutError`` if any wait gave up (see ``tk.AsyncInputScheduler`` and ``tk.dist``)."""
+    devices = {torch.device(kind, index) for kind, index in _ERROR_TABLES}
+    devices |= {device for device, weak_check in _ERROR_CHECKS if weak_check() is not None}
+    for device in devices:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
-        check_errors(device, "chunk")
+    for (kind, index) in list(_ERROR_TABLES):
+        check_errors(torch.device(kind, index), "chunk")
+    for _, weak_check in list(_ERROR_CHECKS):
+        check = weak_check()
+        if check is not None:
+            check()

@@ -23,7 +23,7 @@ so broadcast views (stride 0) cost no copy; row offsets are 64-bit.
 import triton
 import triton.language as tl
 
-from .._runtime import cast_for_store, compensated_dot, dot, offset_i64
+from .._runtime import TRACE_COMPUTE, TRACE_WAIT, cast_for_store, compensated_dot, dot, offset_i64, trace_clock, trace_event
 from .scheduler import tile_coords, wait_for_rows
 
 
@@ -107,6 +107,7 @@ def gemm_kernel(
     mul1_ptr, stride_mul1_m, stride_mul1_n,
     res_ptr, stride_res_m, stride_res_n,
     signals, errors, rows_per_chunk, pivot_tile_m, signal_value, max_spins,
+    trace_events, trace_clock_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -115,9 +116,13 @@ def gemm_kernel(
     HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
     NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
-    ASYNC_INPUT: tl.constexpr,
+    ASYNC_INPUT: tl.constexpr, SIGNAL_IS_PTR: tl.constexpr, TRACE: tl.constexpr, TRACE_MAX_EVENTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if SIGNAL_IS_PTR:
+        # The epoch lives on the device (tk.dist): a call captured in a CUDA graph waits for the value
+        # its replay reached, not the one seen at capture.
+        signal_value = tl.load(signal_value, volatile=True).to(tl.int64)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tiles_m * tiles_n * SPLIT_K
@@ -127,6 +132,7 @@ def gemm_kernel(
     # The epilogue recomputes its tile from its own counter: with FLATTEN the compiler fuses the K
     # loop with the tile loop, and this keeps the epilogue's indices off the pipelined loop's path.
     tile_id_c = pid - num_programs
+    trace_slot = 0
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n, pid_k = tile_coords(tile_id, tiles_m, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT)
         off_m = pid_m * BLOCK_M
@@ -135,6 +141,8 @@ def gemm_kernel(
         k_end = min(K, k_start + k_per_split)
         k_tiles = tl.cdiv(k_end - k_start, BLOCK_K)
         rows_valid = M
+        if TRACE:  # (tk.dist trace=True) a wait span and a compute span per tile
+            trace_start = trace_clock(trace_clock_ptr)
         if ASYNC_INPUT:
             # pid_m is the pivoted tile: the rows waited for are the rows read and written. A tile whose
             # chunk never came runs no K steps (its A loads also depend on the wait's result, through
@@ -144,6 +152,10 @@ def gemm_kernel(
             k_tiles = tl.where(ready, k_tiles, 0)
             off_m = tl.where(ready, off_m, M)
             rows_valid = tl.where(ready, M, 0)
+            if TRACE:
+                trace_slot = trace_event(trace_events, trace_clock_ptr, pid, trace_slot, TRACE_WAIT, trace_start,
+                                         pid_m, TRACE_MAX_EVENTS)
+                trace_start = trace_clock(trace_clock_ptr)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
         comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_TMA:
@@ -215,6 +227,9 @@ def gemm_kernel(
                                res_ptr, stride_res_m, stride_res_n,
                                HAS_ALPHA, HAS_SCALE_A, HAS_SCALE_B, HAS_BIAS, BIAS_IS_ROW, ACTIVATION,
                                NUM_MUL, HAS_RESIDUAL, OUT_IS_INT)
+        if TRACE:
+            trace_slot = trace_event(trace_events, trace_clock_ptr, pid, trace_slot, TRACE_COMPUTE, trace_start,
+                                     pid_m, TRACE_MAX_EVENTS)
 
 
 @triton.jit

@@ -221,7 +221,9 @@ def _async_key(async_input):
     # signal_value and max_spins are not specialised (do_not_specialize); only their integer width is.
     if async_input is None:
         return None
-    signals, rows_per_chunk, pivot_chunk, signal_value, _ = async_input
+    signals, rows_per_chunk, pivot_chunk, signal_value = async_input[:4]
+    if isinstance(signal_value, torch.Tensor):
+        return _meta(signals), rows_per_chunk, pivot_chunk, "device"
     return _meta(signals), rows_per_chunk, pivot_chunk, -2**31 <= signal_value < 2**31
 
 
@@ -232,7 +234,8 @@ def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
             active_override(), fp32_precision() if a.dtype == torch.float32 else None)
 
 
-def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input) -> _Plan:
+def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
+               trace=None) -> _Plan:
     M, K = a.shape
     N = b.shape[1]
     cfg = select_config(M, N, K, a.dtype, a.device)
@@ -288,25 +291,34 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         EPILOGUE_SUBTILE=heavy_epilogue and cfg.block_n >= 32 and split_k == 1,
         **plan.epilogue_flags,
         ASYNC_INPUT=async_input is not None,
+        SIGNAL_IS_PTR=async_input is not None and isinstance(async_input[3], torch.Tensor),
+        TRACE=trace is not None, TRACE_MAX_EVENTS=trace.max_events if trace is not None else 1,
     )
     return plan
 
 
 def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-            async_input=None) -> None:
-    """``async_input``: None, or (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins)."""
+            async_input=None, trace=None) -> None:
+    """``async_input``: None, or (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins)
+    and optionally the error table to record timeouts in (tk.dist: its workspace's). ``signal_value``
+    may be an int32 device tensor of one element, read by the kernel when it runs (tk.dist's epoch).
+    ``trace``: a ``dist.trace.DeviceTrace`` to record per-program wait/compute spans in, or None."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     if a.is_cuda and a.device.index != torch.cuda.current_device():
         with torch.cuda.device(a.device):  # triton launches on the current device
             return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-                           async_input)
-    if async_input is not None:
+                           async_input, trace)
+    own_errors = async_input is not None and len(async_input) > 5
+    if async_input is not None and not own_errors:
         check_errors(a.device, "chunk")  # an earlier call's timeout that has landed by now
     key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
+    if trace is not None:
+        key += (trace.max_events,)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
+        plan = _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
+                          trace)
         if len(_PLANS) >= _MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]
         _PLANS[key] = plan
@@ -329,9 +341,11 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     if async_input is None:
         wait_args = (None, None, 0, 0, 0, 0)
     else:
-        signals, _, _, signal_value, max_spins = async_input
-        wait_args = (signals, error_table(a.device, signals.numel()), *plan.async_ints, signal_value, max_spins)
-    args = (a_arg, b_arg, c, partials, *plan.ints, *epilogue_args, *wait_args)
+        signals, _, _, signal_value, max_spins = async_input[:5]
+        errors = async_input[5] if own_errors else error_table(a.device, signals.numel())
+        wait_args = (signals, errors, *plan.async_ints, signal_value, max_spins)
+    trace_args = (trace.events, trace.clock) if trace is not None else (None, None)
+    args = (a_arg, b_arg, c, partials, *plan.ints, *epilogue_args, *wait_args, *trace_args)
     if plan.launch is not None:
         plan.launch(plan.num_programs, args + tuple(plan.constexprs.values()))
     else:
@@ -345,7 +359,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
             partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args,
             SPLIT_K=plan.split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags, num_warps=4,
         )
-    if async_input is not None and not a.is_cuda:
+    if async_input is not None and not own_errors and not a.is_cuda:
         check_errors(a.device, "chunk")  # the interpreter has finished the kernel: report at once
 
 
@@ -550,3 +564,14 @@ def async_input_mm(a: torch.Tensor, b: torch.Tensor, chunk_signals: torch.Tensor
     scheduler = AsyncInputScheduler(chunk_signals, M // num_chunks, pivot_chunk=chunk_pivot,
                                     signal_value=signal_value, max_spins=max_spins)
     return gemm(a, b, out=out, async_input=scheduler)
+
+
+def _async_gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, chunk_signals: torch.Tensor,
+                     rows_per_chunk: int, pivot_chunk: int, signal_value: torch.Tensor, max_spins: int,
+                     errors: torch.Tensor, trace=None) -> None:
+    """tk.dist's async-input GEMM: ``out = a @ b`` waiting for ``chunk_signals[c] >= signal_value[0]``
+    (an int32 device word, read when the kernel runs) and recording timeouts in ``errors`` (the
+    caller's table: word 0 any-fail, 1 + c chunk c); ``trace``: see ``_launch``."""
+    _check_args(a, b, None, None, (), None, 1.0, 1.0, None, None, None, out, 1, None)
+    _launch(a, b, out, None, None, [], None, 1.0, 1.0, None, None, 1,
+            (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins, errors), trace)

@@ -1,0 +1,45 @@
+"""Device side of tk.dist's flags: bounded waits on epoch words and the per-call begin step.
+
+Every flag is an int32 word in a rank's symmetric flag area (``workspace.py`` has the map) holding an
+epoch: the value of the call that last set it. A wait is "word >= epoch", polled with a scalar acquire
+atomic at system scope (the writer may be another GPU or a copy engine) and a nanosleep between polls;
+after ``max_spins`` polls it gives up and records the word in the workspace's error table
+(``errors[1 + word]`` and ``errors[0]``), so the host can say which rank never arrived.
+"""
+
+import triton
+import triton.language as tl
+
+from ..gemm.scheduler import _poll, _sleep
+
+
+@triton.jit
+def wait_flag(flags, word, epoch, errors, max_spins):
+    """Wait until ``flags[word] >= epoch``; True if it came, False after ``max_spins`` polls (recorded)."""
+    seen = _poll(flags + word)
+    if seen < epoch:
+        spins = 0
+        while (seen < epoch) & (spins < max_spins):
+            _sleep()
+            seen = _poll(flags + word)
+            spins += 1
+        if seen < epoch:
+            tl.store(errors + 1 + word, 1)
+            tl.store(errors, 1)
+    return seen >= epoch
+
+
+@triton.jit
+def begin_kernel(flags, errors, rank, world, max_spins, own_signal, EPOCH: tl.constexpr, DONE: tl.constexpr):
+    """One program: advance this rank's epoch to e, then wait until every peer has finished call e - 1
+    (``flags[DONE + peer] >= e - 1``, written by the peer's ``end``): after that no peer still reads
+    or writes this call's buffers from the previous call, so they may be overwritten. With
+    ``own_signal >= 0`` also ``flags[own_signal] := e`` (a chunk whose data the same stream writes
+    before its consumer runs, so it needs no signal of its own)."""
+    epoch = tl.load(flags + EPOCH, volatile=True) + 1
+    tl.store(flags + EPOCH, epoch)
+    if own_signal >= 0:
+        tl.store(flags + own_signal, epoch)
+    for peer in range(world):
+        if peer != rank:
+            wait_flag(flags, DONE + peer, epoch - 1, errors, max_spins)

@@ -4,6 +4,7 @@
 #   scripts/gpu_lane.sh                      # info tests check bench
 #   scripts/gpu_lane.sh tests check          # only these steps, in this order
 #   scripts/gpu_lane.sh sweep                # launch-config sweep (SWEEP_SHAPES, SWEEP_BUDGET_S, SWEEP_ARGS)
+#   scripts/gpu_lane.sh multigpu bench-dist  # tk.dist: 2-GPU tests, then the torchrun benches (NPROC GPUs)
 #   BENCH_ARGS="--shapes 8192x8192x8192" scripts/gpu_lane.sh bench
 #
 # Steps: info, tests (pytest -m gpu), check (python -m tilekernels check), bench (gemm, --out $OUT),
@@ -62,6 +63,17 @@ for step in "${steps[@]}"; do
         check)
             run_step check "$PY" -m tilekernels check
             ;;
+        multigpu)
+            run_step multigpu "$PY" -m pytest -m multigpu tests/dist -q --maxfail=10 --durations=10 -p no:cacheprovider
+            ;;
+        bench-dist)
+            # shellcheck disable=SC2086  # DIST_BENCH_ARGS is a list of options
+            run_step bench-ag "$PY" -m torch.distributed.run --nproc-per-node "${NPROC:-2}" -m tilekernels bench \
+                all_gather_matmul --out "$OUT" $DIST_BENCH_ARGS
+            # shellcheck disable=SC2086
+            run_step bench-rs "$PY" -m torch.distributed.run --nproc-per-node "${NPROC:-2}" -m tilekernels bench \
+                matmul_reduce_scatter --out "$OUT" $DIST_BENCH_ARGS
+            ;;
         bench)
             # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
             run_step bench "$PY" -m tilekernels bench gemm --out "$OUT" $BENCH_ARGS
@@ -72,7 +84,7 @@ for step in "${steps[@]}"; do
                 ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} --budget-s "${SWEEP_BUDGET_S:-420}" $SWEEP_ARGS
             ;;
         *)
-            echo "=== unknown step '$step' (steps: info tests check bench sweep)" | tee -a "$LOG"
+            echo "=== unknown step '$step' (steps: info tests check bench sweep multigpu bench-dist)" | tee -a "$LOG"
             failed+=("$step (unknown step)")
             ;;
     esac

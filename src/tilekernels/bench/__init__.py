@@ -15,6 +15,12 @@ provides:
 - optional ``anchor(row) -> (label, value) | None``: a published/measured reference figure
   (ANCHORS.md) for the row's shape, compared in tables; ``ANCHOR_PROVIDER`` names the provider that
   figure was measured for.
+- optional ``run_bench(opts, device) -> int``: replaces the harness's single-process timing (the
+  tk.dist ops time across ranks under torchrun), and ``report_rows(rows, markdown)``: the op's own
+  tables, used by ``RESULTS.md`` too.
+
+An entry ``"module:ATTRIBUTE"`` names an object in a module that provides the above, for op families
+that share one bench module (``bench/dist.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from types import ModuleType
 # name -> module; the order is the order `check` and `bench` run them in.
 OPS: dict[str, str] = {
     "gemm": "tilekernels.bench.gemm",
+    "all_gather_matmul": "tilekernels.bench.dist:ALL_GATHER_MATMUL",
+    "matmul_reduce_scatter": "tilekernels.bench.dist:MATMUL_REDUCE_SCATTER",
 }
 
 
@@ -33,7 +41,10 @@ def op_names() -> list[str]:
 
 
 def load_op(name: str) -> ModuleType:
-    """The bench module of op ``name``; ValueError naming the registered ops otherwise."""
+    """The bench module (or module attribute) of op ``name``; ValueError naming the registered ops
+    otherwise."""
     if name not in OPS:
         raise ValueError(f"unknown op {name!r}; registered ops: {', '.join(OPS)}")
-    return importlib.import_module(OPS[name])
+    module_name, _, attribute = OPS[name].partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attribute) if attribute else module

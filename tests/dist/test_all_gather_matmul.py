@@ -288,3 +288,35 @@ def _gpu_timeout(rank: int, world: int) -> None:
 @pytest.mark.multigpu
 def test_gpu_timeout_names_rank():
     run_ranks(_gpu_timeout, 2)
+
+
+def test_gemm_trace_records_wait_and_compute_per_tile():
+    """The async-input GEMM's TRACE variant (trace=True): one wait and one compute span per tile, in
+    order, each with start <= end and the tile's pivoted M index as tag; the product is unchanged."""
+    from tilekernels.dist.trace import DeviceTrace
+    from tilekernels.gemm.configs import _interpreter_config
+    from tilekernels.gemm.gemm import _async_gemm_into
+
+    M, N, K = 70, 40, 24
+    a, b = torch.randn(M, K), torch.randn(K, N)
+    out = torch.full((M, N), float("nan"))
+    rows_per_chunk = 35
+    signals = torch.full((2,), 3, dtype=torch.int32)
+    errors = torch.zeros(1 + 2, dtype=torch.int32)
+    programs, max_events = 16, 64
+    trace = DeviceTrace("gemm", torch.zeros(programs, max_events, 4, dtype=torch.int64),
+                        torch.zeros(1, dtype=torch.int64), max_events, True)
+    _async_gemm_into(a, b, out, signals, rows_per_chunk, 1, torch.tensor([3], dtype=torch.int32), 16, errors,
+                     trace)
+    _assert_matches(out, a.double() @ b.double(), "traced GEMM", torch.float32)
+    cfg = _interpreter_config()
+    tiles_m, tiles_n = -(-M // cfg.block_m), -(-N // cfg.block_n)
+    events = trace.events[trace.events[..., 0] != 0]
+    kinds = events[:, 0].tolist()
+    assert kinds.count(2) == kinds.count(3) == tiles_m * tiles_n, kinds
+    for per_program in trace.events:
+        recorded = per_program[per_program[:, 0] != 0]
+        assert recorded[0::2, 0].eq(2).all() and recorded[1::2, 0].eq(3).all(), "wait, compute, wait, ..."
+        assert (recorded[:, 1] <= recorded[:, 2]).all()
+        assert ((recorded[:, 3] >= 0) & (recorded[:, 3] < tiles_m)).all()
+    assert not errors.any()

@@ -64,6 +64,7 @@ import torch.distributed as dist
 from ..testing import compare
 from .harness import (
     INTERPRETER_WARNING,
+    NO_MATPLOTLIB,
     Accuracy,
     Run,
     UsageError,
@@ -75,6 +76,7 @@ from .harness import (
     format_value,
     geomean,
     l2_bytes,
+    pyplot,
     read_rows,
     rotation_count,
     write_rows,
@@ -773,13 +775,9 @@ def report_rows(rows: Sequence[dict], markdown: bool = False, interpreter_note: 
 
 def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
     """Speedup over nccl+cublas per shape and provider (bars) with the overlap limit (black tick)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: PNG skipped (pip install matplotlib, or the [bench] extra)"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["op"], r["variant"], r["dtype"]), []).append(r)

@@ -556,15 +556,26 @@ def _row_key(r: dict) -> tuple:
             r.get("variant"), r.get("dtype"), r.get("layout"), r.get("config"))
 
 
-def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
-    """Bar chart of TFLOP/s per shape and provider, one panel per table; returns what happened."""
+NO_MATPLOTLIB = "matplotlib is not installed: PNG skipped (pip install matplotlib, or the [bench] extra)"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: PNG skipped (pip install matplotlib, or the [bench] extra)"
+        return None
+    return plt
+
+
+def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
+    """Bar chart of TFLOP/s per shape and provider, one panel per table; returns what happened."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["variant"], r["dtype"], r["layout"]), []).append(r)

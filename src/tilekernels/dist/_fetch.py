@@ -83,7 +83,7 @@ import triton.language as tl
 
 from .. import _runtime
 from .._runtime import cast_for_store, cdiv, dot, offset_i64
-from ..gemm.scheduler import _poll, tile_coords
+from ..gemm.scheduler import tile_coords
 from ._common import check_matrix
 from ._signals import wait_flag
 from .workspace import FETCH, FLAG_WORDS, READY
@@ -126,17 +126,6 @@ def default_config(dtype: torch.dtype, device: torch.device) -> FetchConfig:
 
 # ----------------------------------------------------------------------------------------------------
 # device side
-
-
-@triton.jit
-def _wait_published(flags, word, epoch, errors, max_spins):
-    """``flags[word] >= epoch`` (a peer's READY); gives up at once if an earlier wait on it did."""
-    seen = _poll(flags + word)
-    ready = seen >= epoch
-    if seen < epoch:
-        gave_up = tl.load(errors + 1 + word, volatile=True) != 0
-        ready = wait_flag(flags, word, epoch, errors, tl.where(gave_up, 0, max_spins))
-    return ready
 
 
 @triton.jit
@@ -198,7 +187,7 @@ def _fetch_tiles(pid, num_fetchers, data, peer_offsets, stage, a_out, flags, epo
         k_group = item % k_groups
         ready = src >= 0  # True, as a tensor the branch can update
         if src != rank:
-            ready = _wait_published(flags, READY_WORD + src, epoch, errors, max_spins)
+            ready = wait_flag(flags, READY_WORD + src, epoch, errors, max_spins)
         if ready:
             # Distance from this rank's data area to src's, in elements (0 for the own rank).
             src_base = data + tl.multiple_of(tl.load(peer_offsets + src), PEER_ALIGN)
@@ -428,7 +417,7 @@ def _launch(ws, a_shard, bs, outs, a_out, layout, config) -> None:
             continue
         fetch_gemm_kernel[(num_fetchers + num_gemm,)](
             a_shard, ws.data(rank, (m, K), a_shard.dtype), peer_offsets, stage, a_out_arg, b, out,
-            ws.flags, ws.epoch, ws.errors_device(),
+            ws.flags, ws.epoch, ws.errors,
             rank, world, m, b.shape[1], K,
             stage.stride(0), stage.stride(1), a_out_arg.stride(0), a_out_arg.stride(1),
             b.stride(0), b.stride(1), out.stride(0), out.stride(1),
@@ -440,7 +429,7 @@ def _launch(ws, a_shard, bs, outs, a_out, layout, config) -> None:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     ws.end()
-    ws._check_if_interpreted()
+    ws.check_if_interpreted()
 
 
 def fetch_all_gather_matmul(ws, a_shard: torch.Tensor, bs, outs, a_out: torch.Tensor | None = None, *,

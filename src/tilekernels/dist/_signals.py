@@ -15,10 +15,12 @@ from ..gemm.scheduler import _poll, _sleep
 
 @triton.jit
 def wait_flag(flags, word, epoch, errors, max_spins):
-    """Wait until ``flags[word] >= epoch``; True if it came, False after ``max_spins`` polls (recorded)."""
+    """Wait until ``flags[word] >= epoch``; True if it came, False after ``max_spins`` polls (recorded),
+    or at once if an earlier wait already gave up on this word (as ``scheduler.wait_chunk`` does)."""
     seen = _poll(flags + word)
     if seen < epoch:
-        spins = 0
+        gave_up = tl.load(errors + 1 + word, volatile=True) != 0
+        spins = tl.where(gave_up, max_spins, 0)
         while (seen < epoch) & (spins < max_spins):
             _sleep()
             seen = _poll(flags + word)

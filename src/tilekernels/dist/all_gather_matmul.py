@@ -70,7 +70,7 @@ def _all_gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> None:
 # algorithms on a [m, K] per rank -> (A [world*m, K] | None, [A @ b])
 
 
-def _nccl(a: torch.Tensor, bs, group, world: int, need_a: bool):
+def _nccl(a: torch.Tensor, bs, group, world: int):
     m, K = a.shape
     gathered = a.new_empty((world * m, K))
     _all_gather_into(gathered, a, group)
@@ -114,7 +114,7 @@ def _pipelined(a: torch.Tensor, bs, group, world: int, rank: int, need_a: bool):
 
 def _pipelined_k(a: torch.Tensor, bs, group, world: int, rank: int, need_a: bool):
     """Gather along K: ``sum_r a_r @ b[r-th K block]``, accumulated in fp32 while shards circulate."""
-    M, k = a.shape
+    k = a.shape[1]
     shards = [None] * world
     shards[rank] = a
     pending = []
@@ -329,7 +329,7 @@ def all_gather_matmul(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], gather_
     if world == 1:
         gathered, outs = a.clone() if return_a else None, [torch.matmul(a, b) for b in bs]
     elif algo == "nccl":
-        gathered, outs = _nccl(a, bs, group, world, return_a)
+        gathered, outs = _nccl(a, bs, group, world)
     elif algo == "pipelined":
         gathered, outs = _pipelined(a, bs, group, world, rank, return_a)
     else:

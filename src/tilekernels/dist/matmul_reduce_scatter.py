@@ -151,7 +151,7 @@ def _reduce_partials(own: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, 
     # Every program may spin, which is safe with any grid: the producers are copy engines or other
     # GPUs' GEMMs, never this GPU's SMs (this rank's GEMMs are earlier on the same stream).
     programs = min(cdiv(numel, block), 4 * sm_count(own.device))
-    flags, errors, spins = (ws.flags, ws.errors_device(), ws.spins()) if ws is not None else (own, own, 0)
+    flags, errors, spins = (ws.flags, ws.errors, ws.spins()) if ws is not None else (own, own, 0)
     _reduce_partials_kernel[(programs,)](
         own, slots, out, numel, rank, world, flags, errors, spins,
         WAIT=ws is not None, EPOCH=EPOCH, PARTIAL=PARTIAL, AVERAGE=reduce_op == "avg", BLOCK=block,

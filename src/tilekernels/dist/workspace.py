@@ -206,7 +206,7 @@ class Workspace:
                 # A Triton launch re-binds its arguments (~30 us of host time); this one never changes
                 # signature, so later calls go straight to the compiled kernel.
                 self._begin_launch = _runtime.direct_launcher(compiled, self.device.index)
-        self._check_if_interpreted()
+        self.check_if_interpreted()
 
     def flag(self, rank: int, word: int) -> torch.Tensor:
         """Rank ``rank``'s flag ``word`` as a one-element int32 tensor (views are cached: a call makes
@@ -229,24 +229,23 @@ class Workspace:
         (a 4-byte copy-engine copy: the write lands after everything before it on the stream)."""
         self.flag(peer, word).copy_(self.epoch)
 
-    def errors_device(self) -> torch.Tensor:
-        """The error table as kernels take it (pinned host memory mapped into the device)."""
-        return self.errors
-
     def check(self) -> None:
         """Raise ``TimeoutError`` naming what never arrived, if a wait of this workspace gave up (reads
         what has landed so far; no synchronisation)."""
         words = self._error_words
-        if not (words[0] or words[1 + SIGNALS - 1]):
+        # Word 0 is set by tk.dist's own waits; the async-input GEMM gets the table from SIGNALS on
+        # (its word 0, "something failed", is words[SIGNALS]; its chunk c is flag word SIGNALS + c).
+        if not (words[0] or words[SIGNALS]):
             return
         failed = [int(w) for w in words[1:].nonzero()[0]]  # words[1 + w] marks flag word w
         words[:] = 0
-        reasons = [describe_word(w, self.chunks_per_rank) for w in failed if w != SIGNALS - 1]
+        reasons = [describe_word(w, self.chunks_per_rank) for w in failed if w != SIGNALS - 1]  # SIGNALS - 1: the GEMM's word 0
         raise TimeoutError(f"tk.dist on rank {self.rank}: a bounded wait gave up: " + "; ".join(reasons)
                            + ". The work that needed it was skipped; this workspace is now out of step with "
                            "its peers (create a new one).")
 
-    def _check_if_interpreted(self) -> None:
+    def check_if_interpreted(self) -> None:
+        """``check()`` when the work ran synchronously (CPU interpreter): report a timeout at once."""
         if self.device.type != "cuda":
             self.check()
 

@@ -23,7 +23,7 @@ from tilekernels.dist.matmul_reduce_scatter import matmul_reduce_scatter
 from tilekernels.dist.workspace import DONE, FLAG_WORDS, PARTIAL, Workspace
 from tilekernels.testing import assert_close, random_tensor
 
-from .mp import run_ranks
+from .mp import gpu_world, run_ranks
 
 # The module, for its private protocol steps: ``tilekernels.dist.matmul_reduce_scatter`` as an attribute
 # of the package is the function once ``dist/__init__.py`` exports it.
@@ -148,15 +148,16 @@ def _simulated_call(spaces, a_all, b_all, scatter_dim, reduce_op, staged, skip_p
     """One call on every simulated rank: every rank's push phase, then every rank's reduce phase.
     Ranks in ``skip_push`` begin but never push. Returns each rank's output or the exception it raised."""
     splits = [mrs_module._Split.make(a, b, scatter_dim % a.dim(), len(spaces)) for a, b in zip(a_all, b_all)]
-    for ws, split in zip(spaces, splits):
+    plans = [mrs_module._plan(split, ws, staged, reduce_op) for ws, split in zip(spaces, splits)]
+    for ws, split, plan in zip(spaces, splits, plans):
         if ws.rank in skip_push:
             ws.begin()
         else:
-            mrs_module._push_partials(split, ws, staged)
+            mrs_module._push_partials(split, ws, plan, staged)
     results = []
-    for ws, split in zip(spaces, splits):
+    for ws, split, plan in zip(spaces, splits, plans):
         try:
-            results.append(mrs_module._finish_partials(split, ws, reduce_op))
+            results.append(mrs_module._finish_partials(split, ws, plan, reduce_op))
         except TimeoutError as error:
             results.append(error)
     return results
@@ -247,9 +248,9 @@ def _gpu_inputs(rank, a_shape, n, dtype, seed):
 
 def _body_gpu_every_algorithm(rank, world):
     failures = []
-    # M = 2 * 1037 rows: chunks are not whole tiles.
-    shapes = [((2 * 1037, 1024), 768, 0, "sum"), ((2 * 1037, 1024), 768, -1, "sum"),
-              ((4, 2 * 130, 512), 384, 1, "avg")]
+    # M = world * 1037 rows: chunks are not whole tiles.
+    shapes = [((world * 1037, 1024), 768, 0, "sum"), ((world * 1037, 1024), 768, -1, "sum"),
+              ((4, world * 130, 512), 384, 1, "avg")]
     for seed, (a_shape, n, scatter_dim, reduce_op) in enumerate(shapes):
         for dtype in (torch.bfloat16, torch.float16):
             a, b = _gpu_inputs(rank, a_shape, n, dtype, seed)
@@ -273,7 +274,7 @@ def _body_gpu_every_algorithm(rank, world):
 
 @multigpu
 def test_gpu_every_algorithm():
-    run_ranks(_body_gpu_every_algorithm, 2)
+    run_ranks(_body_gpu_every_algorithm, gpu_world())
 
 
 def _body_gpu_random_delays(rank, world):
@@ -281,7 +282,7 @@ def _body_gpu_random_delays(rank, world):
 
     rng = random.Random(rank)
     # Two input sets, alternated: a partial left over from the previous call would show as a mismatch.
-    inputs = [_gpu_inputs(rank, (2 * 517, 512), 640, torch.bfloat16, seed) for seed in range(2)]
+    inputs = [_gpu_inputs(rank, (world * 517, 512), 640, torch.bfloat16, seed) for seed in range(2)]
     for algorithm in ("pipelined", "copy_engine", "fetch"):
         expected = [matmul_reduce_scatter(a, b, algorithm=algorithm) for a, b in inputs]
         outs = []
@@ -297,14 +298,14 @@ def _body_gpu_random_delays(rank, world):
 
 @multigpu
 def test_gpu_random_delays():
-    run_ranks(_body_gpu_random_delays, 2)
+    run_ranks(_body_gpu_random_delays, gpu_world())
 
 
 def _body_gpu_cuda_graph(rank, world):
     import tilekernels as tk
 
     ws = Workspace(capacity_bytes=8 << 20)
-    static_a, static_b = _gpu_inputs(rank, (2 * 517, 512), 640, torch.bfloat16, 0)
+    static_a, static_b = _gpu_inputs(rank, (world * 517, 512), 640, torch.bfloat16, 0)
     for _ in range(2):  # compile and settle before capture
         matmul_reduce_scatter(static_a, static_b, algorithm="copy_engine", workspace=ws)
     torch.cuda.synchronize()
@@ -312,7 +313,7 @@ def _body_gpu_cuda_graph(rank, world):
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL's watchdog polls events
         static_out = matmul_reduce_scatter(static_a, static_b, algorithm="copy_engine", workspace=ws)
     for seed in range(1, 6):
-        a, b = _gpu_inputs(rank, (2 * 517, 512), 640, torch.bfloat16, seed)
+        a, b = _gpu_inputs(rank, (world * 517, 512), 640, torch.bfloat16, seed)
         static_a.copy_(a)
         static_b.copy_(b)
         torch.cuda._sleep(random.Random(seed * 7 + rank).randrange(0, 2_000_000))
@@ -326,4 +327,4 @@ def _body_gpu_cuda_graph(rank, world):
 
 @multigpu
 def test_gpu_cuda_graph():
-    run_ranks(_body_gpu_cuda_graph, 2)
+    run_ranks(_body_gpu_cuda_graph, gpu_world())

@@ -200,7 +200,7 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
         with tracing.span(f"GEMM {i}", main):
             device_trace = _gemm_device_trace(f"GEMM {i}", world * m, b.shape[1], a.device)
             _async_gemm_into(plan.gathered, b, out, plan.signals, m, rank, ws.epoch, ws.spins(), plan.errors,
-                             device_trace if device_trace.enabled else None)
+                             device_trace if device_trace.enabled else None, checked=True)
     if main is not None:
         main.wait_event(plan.pushed)
     a_out = plan.gathered.clone() if need_a else None

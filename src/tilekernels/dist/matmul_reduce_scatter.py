@@ -85,8 +85,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from .._runtime import cast_for_store, cdiv, offset_i64, sm_count
-from ..gemm.gemm import gemm
+from .._runtime import cast_for_store, cdiv, direct_launcher, offset_i64, sm_count
+from ..gemm.gemm import _gemm_into, gemm
 from ..gemm.scheduler import _poll
 from ._common import check_algorithm, check_dim, check_matrix, resolve_group
 from ._signals import wait_flag
@@ -142,8 +142,9 @@ def _reduce_partials_kernel(own_ptr, slots_ptr, out_ptr, numel, rank, world, fla
 
 
 def _reduce_partials(own: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, rank: int, world: int,
-                     reduce_op: str, ws: Workspace | None = None) -> None:
-    """Launch ``_reduce_partials_kernel`` on the current stream; with ``ws``, waiting for the PARTIAL flags."""
+                     reduce_op: str, ws: Workspace | None = None, plan: _SymmetricPlan | None = None) -> None:
+    """Launch ``_reduce_partials_kernel`` on the current stream; with ``ws``, waiting for the PARTIAL
+    flags. ``plan``: where the compiled kernel's direct launcher is kept between calls."""
     numel = own.numel()
     if numel == 0:
         return
@@ -152,10 +153,16 @@ def _reduce_partials(own: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, 
     # GPUs' GEMMs, never this GPU's SMs (this rank's GEMMs are earlier on the same stream).
     programs = min(cdiv(numel, block), 4 * sm_count(own.device))
     flags, errors, spins = (ws.flags, ws.errors, ws.spins()) if ws is not None else (own, own, 0)
-    _reduce_partials_kernel[(programs,)](
-        own, slots, out, numel, rank, world, flags, errors, spins,
-        WAIT=ws is not None, EPOCH=EPOCH, PARTIAL=PARTIAL, AVERAGE=reduce_op == "avg", BLOCK=block,
-        num_warps=4)
+    args = (own, slots, out, numel, rank, world, flags, errors, spins)
+    constexprs = dict(WAIT=ws is not None, EPOCH=EPOCH, PARTIAL=PARTIAL, AVERAGE=reduce_op == "avg", BLOCK=block)
+    if plan is not None and plan.reduce_launch is not None:
+        plan.reduce_launch(programs, args + tuple(constexprs.values()))
+        return
+    compiled = _reduce_partials_kernel[(programs,)](*args, **constexprs, num_warps=4)
+    if plan is not None and own.is_cuda:
+        # Same plan, same specialisation (numel, rank, world, spins, dtypes; fresh or slot pointers
+        # are 256-byte aligned): later calls skip Triton's argument binding (~30-60 us of host time).
+        plan.reduce_launch = direct_launcher(compiled, own.device.index)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -203,7 +210,10 @@ class _Split:
 
     def partial(self, dst: int, out: torch.Tensor) -> None:
         a_part, b_part = self.operands(dst)
-        gemm(a_part, b_part, out=out.view(self.rows, self.cols))
+        if a_part.shape[1] == 0:
+            gemm(a_part, b_part, out=out.view(self.rows, self.cols))
+        else:  # checked by matmul_reduce_scatter: skip tk.gemm's checks (host time)
+            _gemm_into(a_part, b_part, out.view(self.rows, self.cols))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -262,37 +272,64 @@ def _workspace_bytes(split: _Split, staged: bool) -> int:
     return _region_bytes(split) * (2 if staged else 1)
 
 
-def _push_partials(split: _Split, ws: Workspace, staged: bool) -> None:
+class _SymmetricPlan:
+    """The slot views and events of one copy_engine/fetch call shape, made once per workspace (each
+    torch op costs microseconds of host time on the device machine, and a call makes dozens)."""
+
+    def __init__(self, split: _Split, ws: Workspace, staged: bool):
+        rank, world = ws.rank, ws.world_size
+        ws.require(_workspace_bytes(split, staged), f"matmul_reduce_scatter of {world} chunks of {split.numel} "
+                   f"{split.a.dtype} elements")
+        # step 1..world-1: (peer, its receive slot for this rank, where this rank's GEMM writes, its flag)
+        self.steps = []
+        for step in range(1, world):
+            dst = (rank + step) % world
+            target = _slots(ws, dst, split, 0)[rank]
+            self.steps.append((dst, target, _slots(ws, rank, split, 1)[dst] if staged else target,
+                               ws.flag(dst, PARTIAL + rank)))
+        self.received = _slots(ws, rank, split, 0)
+        cuda = ws.side_stream is not None
+        self.computed = [torch.cuda.Event() for _ in self.steps] if cuda else None
+        self.pushed = torch.cuda.Event() if cuda else None
+        self.reduce_launch = None
+
+
+def _plan(split: _Split, ws: Workspace, staged: bool, reduce_op: str) -> _SymmetricPlan:
+    key = ("matmul_reduce_scatter", split.rows, split.cols, split.a.dtype, staged, reduce_op)
+    plan = ws._plans.get(key)
+    if plan is None:
+        plan = ws._plans[key] = _SymmetricPlan(split, ws, staged)
+    return plan
+
+
+def _push_partials(split: _Split, ws: Workspace, plan: _SymmetricPlan, staged: bool) -> None:
     """Protocol steps 1-2 on this rank: begin, then every peer's partial computed and pushed + signalled.
     ``staged``: copy_engine (GEMM into staging, copy-engine push); else fetch (GEMM into the peer)."""
-    rank, world = ws.rank, ws.world_size
-    ws.require(_workspace_bytes(split, staged), f"matmul_reduce_scatter of {world} chunks of {split.numel} "
-               f"{split.a.dtype} elements")
     main = torch.cuda.current_stream() if ws.side_stream is not None else None
     ws.begin()
-    for step in range(1, world):
-        dst = (rank + step) % world
-        target = _slots(ws, dst, split, 0)[rank]
-        staging = _slots(ws, rank, split, 1)[dst] if staged else target
+    for i, (dst, target, staging, flag) in enumerate(plan.steps):
         split.partial(dst, staging)
         if main is not None:
-            ws.side_stream.wait_stream(main)
+            plan.computed[i].record(main)
+            ws.side_stream.wait_event(plan.computed[i])
         with ws.stream():
             if staged:
                 target.copy_(staging)
-            ws.signal(dst, PARTIAL + rank)
+            flag.copy_(ws.epoch)  # ws.signal(dst, PARTIAL + rank), with the view the plan holds
+    if main is not None:
+        plan.pushed.record(ws.side_stream)
 
 
-def _finish_partials(split: _Split, ws: Workspace, reduce_op: str) -> torch.Tensor:
+def _finish_partials(split: _Split, ws: Workspace, plan: _SymmetricPlan, reduce_op: str) -> torch.Tensor:
     """Protocol steps 3-4 on this rank: own partial, wait for the peers' and reduce, end."""
     rank, world = ws.rank, ws.world_size
     device = split.a.device
     own = torch.empty(split.numel, dtype=torch.float32, device=device)
     split.partial(rank, own)
     out = torch.empty(split.out_shape, dtype=split.a.dtype, device=device)
-    _reduce_partials(own, _slots(ws, rank, split, 0), out, rank, world, reduce_op, ws)
-    if ws.side_stream is not None:
-        torch.cuda.current_stream().wait_stream(ws.side_stream)
+    _reduce_partials(own, plan.received, out, rank, world, reduce_op, ws, plan)
+    if plan.pushed is not None:
+        torch.cuda.current_stream().wait_event(plan.pushed)
     ws.end()
     if device.type != "cuda":
         ws.check()  # the interpreter has run everything already: report a timeout at once
@@ -300,8 +337,9 @@ def _finish_partials(split: _Split, ws: Workspace, reduce_op: str) -> torch.Tens
 
 
 def _symmetric(split: _Split, ws: Workspace, reduce_op: str, staged: bool) -> torch.Tensor:
-    _push_partials(split, ws, staged)
-    return _finish_partials(split, ws, reduce_op)
+    plan = _plan(split, ws, staged, reduce_op)
+    _push_partials(split, ws, plan, staged)
+    return _finish_partials(split, ws, plan, reduce_op)
 
 
 # ----------------------------------------------------------------------------------------------------

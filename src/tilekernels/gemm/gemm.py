@@ -566,12 +566,21 @@ def async_input_mm(a: torch.Tensor, b: torch.Tensor, chunk_signals: torch.Tensor
     return gemm(a, b, out=out, async_input=scheduler)
 
 
+def _gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """tk.dist's plain GEMM: ``out = a @ b`` (``out``'s dtype: a's or fp32) for operands its caller
+    has already checked (2-D, one dtype and device, K equal and > 0, out ``[M, N]``). Skips tk.gemm's
+    argument checks: tk.dist makes several of these per call, and each check costs host time."""
+    _launch(a, b, out, None, None, [], None, 1.0, 1.0, None, None, 1)
+
+
 def _async_gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, chunk_signals: torch.Tensor,
                      rows_per_chunk: int, pivot_chunk: int, signal_value: torch.Tensor, max_spins: int,
-                     errors: torch.Tensor, trace=None) -> None:
+                     errors: torch.Tensor, trace=None, checked: bool = False) -> None:
     """tk.dist's async-input GEMM: ``out = a @ b`` waiting for ``chunk_signals[c] >= signal_value[0]``
     (an int32 device word, read when the kernel runs) and recording timeouts in ``errors`` (the
-    caller's table: word 0 any-fail, 1 + c chunk c); ``trace``: see ``_launch``."""
-    _check_args(a, b, None, None, (), None, 1.0, 1.0, None, None, None, out, 1, None)
+    caller's table: word 0 any-fail, 1 + c chunk c); ``trace``: see ``_launch``. ``checked``: the
+    caller has validated the operands (as ``_gemm_into``'s callers do)."""
+    if not checked:
+        _check_args(a, b, None, None, (), None, 1.0, 1.0, None, None, None, out, 1, None)
     _launch(a, b, out, None, None, [], None, 1.0, 1.0, None, None, 1,
             (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins, errors), trace)

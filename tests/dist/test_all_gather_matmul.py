@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist.mp import run_ranks
+from tests.dist.mp import gpu_world, run_ranks
 from tilekernels import dist as tkd
 from tilekernels.dist.all_gather_matmul import _copy_engine_steps
 from tilekernels.dist.workspace import Workspace
@@ -203,7 +203,7 @@ def _gpu_cases(rank: int, world: int) -> None:
 
 @pytest.mark.multigpu
 def test_gpu_every_algorithm():
-    run_ranks(_gpu_cases, 2)
+    run_ranks(_gpu_cases, gpu_world())
 
 
 def _gpu_random_delays(rank: int, world: int, algorithm: str) -> None:
@@ -230,7 +230,7 @@ def _gpu_random_delays(rank: int, world: int, algorithm: str) -> None:
 @pytest.mark.multigpu
 @pytest.mark.parametrize("algorithm", ["copy_engine", "fetch"])
 def test_gpu_random_delays(algorithm):
-    run_ranks(_gpu_random_delays, 2, algorithm)
+    run_ranks(_gpu_random_delays, gpu_world(), algorithm)
 
 
 def _gpu_graph(rank: int, world: int, algorithm: str) -> None:
@@ -265,7 +265,7 @@ def _gpu_graph(rank: int, world: int, algorithm: str) -> None:
 @pytest.mark.multigpu
 @pytest.mark.parametrize("algorithm", ["copy_engine", "fetch"])
 def test_gpu_graph_capture(algorithm):
-    run_ranks(_gpu_graph, 2, algorithm)
+    run_ranks(_gpu_graph, gpu_world(), algorithm)
 
 
 def _gpu_timeout(rank: int, world: int) -> None:
@@ -287,7 +287,7 @@ def _gpu_timeout(rank: int, world: int) -> None:
 
 @pytest.mark.multigpu
 def test_gpu_timeout_names_rank():
-    run_ranks(_gpu_timeout, 2)
+    run_ranks(_gpu_timeout, gpu_world())
 
 
 def test_gemm_trace_records_wait_and_compute_per_tile():

@@ -101,6 +101,30 @@ def test_auto_prefers_the_same_gpu_then_any_gpu():
     assert _auto.pick(_auto.nearest_row(twins, AG, 4096, 3584, 8192, 2, "bf16", H200)["ms"]) == "copy_engine"
 
 
+def test_auto_rejects_a_slow_tail_and_asks_more_of_predictions(tmp_path, monkeypatch):
+    ms = {"nccl": 0.067, "copy_engine": 0.065}
+    assert _auto.pick(ms) == "copy_engine"                                   # 3% faster at p50
+    assert _auto.pick(ms, p80={"nccl": 0.068, "copy_engine": 2.2}) == "nccl"  # but a tail of slow calls
+    assert _auto.pick(ms, p80={"nccl": 0.068, "copy_engine": 0.070}) == "copy_engine"
+    assert _auto.pick({"nccl": 1.0, "copy_engine": 0.92}, min_gain=_auto.MODEL_MIN_GAIN) == "nccl"
+    assert _auto.pick({"nccl": 1.0, "copy_engine": 0.85}, min_gain=_auto.MODEL_MIN_GAIN) == "copy_engine"
+    cpu = "cpu-interpreter"
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"rows": [_auto_row(64, 48, 80, gpu=cpu, world=4, nccl=1.0, pipelined=0.5)]}))
+    monkeypatch.setenv(_auto.TABLE_ENV, str(path))
+    _auto.clear_cache()
+    try:
+        predicted = [_auto_row(64, 48, 80, gpu=cpu, world=w, nccl=1.0, pipelined=p) for w, p in ((4, 0.1), (8, 0.92))]
+        assert "1 predicted rows written, 1 left to measurements" in _auto.add_model_rows(predicted)
+        rows = {r["world"]: r for r in json.loads(path.read_text())["rows"]}
+        assert rows[4]["ms"]["pipelined"] == 0.5 and "source" not in rows[4]      # the measurement stays
+        assert rows[8]["source"] == "model"
+        assert _auto.choose(AG, 64, 48, 80, 4, torch.bfloat16, "cpu") == "pipelined"
+        assert _auto.choose(AG, 64, 48, 80, 8, torch.bfloat16, "cpu") == "nccl"    # 8% predicted: not enough
+    finally:
+        _auto.clear_cache()
+
+
 def test_auto_table_file_cache_env_and_update(tmp_path, monkeypatch):
     shipped = json.loads(_auto.TABLE_PATH.read_text())
     assert shipped["schema"] == _auto.SCHEMA and "ms" in shipped["schema_doc"]
@@ -123,7 +147,8 @@ def test_auto_table_file_cache_env_and_update(tmp_path, monkeypatch):
         assert "1 new rows" in messages[0]
         stored = json.loads(path.read_text())
         assert stored["rows"] == [{"op": AG, "gpu": "cpu-interpreter", "world": 2, "dtype": "bf16", "M": 64,
-                                   "N": 48, "K": 80, "ms": {"nccl": 1.0, "pipelined": 0.6}, "run_id": "r1",
+                                   "N": 48, "K": 80, "ms": {"nccl": 1.0, "pipelined": 0.6}, "p80": {},
+                                   "run_id": "r1",
                                    "date": "2026-11-22T00:00:00+00:00"}]
         assert _auto.choose(AG, 64, 48, 80, 2, torch.bfloat16, "cpu") == "pipelined"
         path.write_text(json.dumps({"rows": []}))                      # cached until clear_cache()

@@ -163,8 +163,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--auto-table", type=pathlib.Path,
                         help="the auto table --update-auto-table writes (default: tilekernels/dist/"
                              "auto_table.json, or $TILEKERNELS_AUTO_TABLE)")
-    parser.add_argument("--sleep-us", type=float, default=200.0,
-                        help="GPU sleep before each timed call, so the host enqueues ahead (default 200)")
+    parser.add_argument("--sleep-us", type=float, default=1000.0,
+                        help="GPU sleep before each timed call, so the host enqueues ahead (default 1000)")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="process-group timeout: how long a rank waits on a stuck peer (default 600)")
     parser.add_argument("--workspace-mib", type=int,
@@ -866,7 +866,7 @@ def run_bench(op: str, opts: argparse.Namespace, device: torch.device) -> int:
 
 def _defaults(opts: argparse.Namespace) -> argparse.Namespace:
     opts = argparse.Namespace(**vars(opts))
-    for key, value in (("warmup", DEFAULT_WARMUP_MS), ("rep", DEFAULT_REP_MS), ("sleep_us", 200.0),
+    for key, value in (("warmup", DEFAULT_WARMUP_MS), ("rep", DEFAULT_REP_MS), ("sleep_us", 1000.0),
                        ("timeout_s", 600.0), ("seed", 0), ("dtype", torch.bfloat16), ("shapes", None),
                        ("providers", None), ("algorithms", None), ("trace", False), ("out", None),
                        ("results_dir", None), ("no_record", False), ("workspace_mib", None)):

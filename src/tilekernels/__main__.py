@@ -5,7 +5,8 @@
   table with error ratios; exit status 1 if any case fails.
 - ``bench [OP] [--shapes ...] [--dtype ...] [--sweep] [--out DIR] ...``: time ours against the
   baselines (see ``tilekernels.bench``); ``bench --update-results [RUN.json ...]`` imports run files
-  from another machine and regenerates ``benchmarks/RESULTS.md``.
+  from another machine and regenerates ``benchmarks/RESULTS.md``; ``bench costmodel`` fits tk.dist's
+  cost model to the measured results and predicts other world sizes (``tilekernels.bench.costmodel``).
 - ``info``: versions, device, SM count, capability, interpreter, TMA support.
 
 Without a CUDA device, kernels can only run under Triton's CPU interpreter, which triton reads when it
@@ -117,6 +118,10 @@ def _bench(args: list[str]) -> int:
     from . import bench
     from .bench import harness, results
 
+    if args[:1] == ["costmodel"]:  # tk.dist's cost model: reads measured results, times nothing
+        from .bench import costmodel
+
+        return costmodel.main(args[1:])
     # An op's own options are known once the op is (`bench gemm --layout RC`); with no op named, every
     # op's options are accepted and each op reads its own.
     op_name = args[0] if args and not args[0].startswith("-") else None
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nusage: python -m tilekernels {check,bench,info} [options]   (each takes --help)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
-    wants_kernels = (command in RUN_COMMANDS and "--update-results" not in rest
+    wants_kernels = (command in RUN_COMMANDS and "--update-results" not in rest and rest[:1] != ["costmodel"]
                      and not {"-h", "--help"} & set(rest))
     if wants_kernels and from_command_line and not torch.cuda.is_available() and not is_interpreter():
         _restart_under_interpreter(argv)

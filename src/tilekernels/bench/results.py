@@ -12,6 +12,7 @@ Runs made on another machine (the GPU lane writes ``$OUT/<op>.json``) come in th
 
 from __future__ import annotations
 
+import json
 import pathlib
 from collections.abc import Sequence
 
@@ -143,6 +144,12 @@ def render(results_dir: pathlib.Path) -> str:
                 parts.append("Latest launch-config sweep: " + _environment_line(sweep_rows))
                 parts.append(_sweep_block(sweep_rows))
             sections.append("\n\n".join(parts))
+        model = device_dir / "costmodel.json"  # tk.dist predictions for world sizes not measured
+        if model.exists():
+            from . import costmodel
+
+            sections.append(f"## tk.dist cost model — {device_dir.name}\n\n"
+                            + costmodel.markdown(json.loads(model.read_text())))
     if not sections:
         sections.append("No GPU figures have been measured yet. Run `python -m tilekernels bench gemm` on a "
                         "GPU (or `scripts/gpu_lane.sh bench` on the device machine, then import its JSON "

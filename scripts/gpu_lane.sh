@@ -4,7 +4,7 @@
 #   scripts/gpu_lane.sh                      # info tests check bench
 #   scripts/gpu_lane.sh tests check          # only these steps, in this order
 #   scripts/gpu_lane.sh sweep                # launch-config sweep (SWEEP_SHAPES, SWEEP_BUDGET_S, SWEEP_ARGS)
-#   scripts/gpu_lane.sh multigpu bench-dist  # tk.dist: 2-GPU tests, then the torchrun benches (NPROC GPUs)
+#   NPROC=4 scripts/gpu_lane.sh multigpu bench-dist  # tk.dist: tests on every visible GPU, then the torchrun benches on NPROC
 #   BENCH_ARGS="--shapes 8192x8192x8192" scripts/gpu_lane.sh bench
 #
 # Steps: info, tests (pytest -m gpu), check (python -m tilekernels check), bench (gemm, --out $OUT),

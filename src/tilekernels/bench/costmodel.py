@@ -137,6 +137,15 @@ def gemm_shape(op: str, M: int, N: int, K: int, world: int) -> tuple[int, int, i
     return (M, N, K) if op == "all_gather_matmul" else (M, N, K // world)
 
 
+def _line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``t = intercept + slope * x``; the intercept is clamped at 0 (a time)."""
+    n = len(points)
+    sx, st = sum(x for x, _ in points), sum(t for _, t in points)
+    sxx, sxt = sum(x * x for x, _ in points), sum(x * t for x, t in points)
+    slope = (n * sxt - sx * st) / (n * sxx - sx * sx)
+    return max(0.0, (st - slope * sx) / n), slope
+
+
 def fit_comm(measured: Measured, op: str, world: int) -> Comm | None:
     """Least squares of ``t = alpha + x / busbw`` over the measured comm rows at this world size."""
     xs, ts = [], []
@@ -147,10 +156,7 @@ def fit_comm(measured: Measured, op: str, world: int) -> Comm | None:
             ts.append(t)
     if len(xs) < 2:
         return None
-    n, sx, st = len(xs), sum(xs), sum(ts)
-    sxx, sxt = sum(x * x for x in xs), sum(x * t for x, t in zip(xs, ts))
-    slope = (n * sxt - sx * st) / (n * sxx - sx * sx)
-    alpha = max(0.0, (st - slope * sx) / n)
+    alpha, slope = _line_fit(list(zip(xs, ts)))
     return Comm(alpha, 1 / slope)
 
 
@@ -177,12 +183,8 @@ class Matmul:
                 shape = gemm_shape(op, M, N, K, world)
                 self.table[shape] = t
                 points.append((2 * math.prod(shape), t))
-        n = len(points)
-        sx, st = sum(x for x, _ in points), sum(t for _, t in points)
-        sxx, sxt = sum(x * x for x, _ in points), sum(x * t for x, t in points)
-        slope = (n * sxt - sx * st) / (n * sxx - sx * sx)
+        self.t0, slope = _line_fit(points)
         self.peak = 1 / slope
-        self.t0 = max(0.0, (st - slope * sx) / n)
 
     def __call__(self, M: int, N: int, K: int) -> float:
         return self.table.get((M, N, K), self.t0 + 2 * M * N * K / self.peak)

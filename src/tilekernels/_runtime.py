@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -100,6 +101,37 @@ def supports_tensor_descriptors(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+_thread_contexts = threading.local()
+
+
+def ensure_cuda_context(device_index: int) -> None:
+    """Make the device's primary CUDA context current in this thread, once per thread and device.
+
+    Triton encodes a host TMA descriptor (``cuTensorMapEncodeTiled``) before its launcher makes the
+    context current, so the first TMA launch in a thread that has made no CUDA runtime call fails with
+    "invalid device context" -- torch's autograd backward thread is one (seen on an H100 with triton
+    3.6). This does what Triton's launcher would: retain the primary context and set it current.
+    """
+    done = getattr(_thread_contexts, "devices", None)
+    if done is None:
+        done = _thread_contexts.devices = set()
+    if device_index in done:
+        return
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and not ctx.value:
+        dev = ctypes.c_int()
+        for call, args in (("cuDeviceGet", (ctypes.byref(dev), device_index)),
+                           ("cuDevicePrimaryCtxRetain", (ctypes.byref(ctx), dev)),
+                           ("cuCtxSetCurrent", (ctx,))):
+            err = getattr(cuda, call)(*args)
+            if err != 0:
+                raise RuntimeError(f"{call} failed with CUDA driver error {err} (device {device_index})")
+    done.add(device_index)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import threading
 
 import pytest
 import torch
@@ -736,6 +738,37 @@ def test_gpu_autograd(dtype, device):
     bias = random_tensor((N,), dtype, device)
     grad = random_tensor((M, N), dtype, device)
     check_autograd(case_id("RC", dtype, M, N, K), a, b, bias, grad)
+
+
+@gpu
+def test_gpu_first_call_in_a_fresh_thread(device):
+    """A thread that has made no CUDA runtime call yet (torch's autograd backward thread is one) has no
+    current context, and Triton encodes TMA descriptors before its launcher sets one: the first launch
+    of an already compiled kernel there must still work, through a cached plan and through a new one."""
+    N, K = 512, 384
+    bias = random_tensor((N,), torch.bfloat16, device)
+    inputs = {M: operands(M, N, K, torch.bfloat16, "RC", device) for M in (256, 512)}
+    for a, b in inputs.values():
+        tk.gemm(a, b, bias=bias)  # compiles (one kernel for both M) and leaves the allocator warm
+    importlib.import_module("tilekernels.gemm.gemm")._PLANS.clear()
+    tk.gemm(*inputs[256], bias=bias)  # only M = 256 is planned now; M = 512 makes a new plan in the thread
+    torch.cuda.synchronize()
+    for M in (256, 512):
+        a, b = inputs[M]
+        results = {}
+
+        def run(a=a, b=b, results=results):
+            try:
+                results["out"] = tk.gemm(a, b, bias=bias)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (reported in the main thread)
+                results["error"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        assert "error" not in results, f"M={M}: tk.gemm in a fresh thread raised {results.get('error')!r}"
+        check(f"fresh-thread-M{M}", results["out"], a, b, bias=bias)
 
 
 @gpu

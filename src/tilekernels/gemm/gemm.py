@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import (cdiv, check_errors, check_runnable, direct_launcher, error_table, fp32_precision,
-                        is_interpreter, sm_count, supports_tensor_descriptors)
+from .._runtime import (cdiv, check_errors, check_runnable, direct_launcher, ensure_cuda_context, error_table,
+                        fp32_precision, is_interpreter, sm_count, supports_tensor_descriptors)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
 from .scheduler import AsyncInputScheduler
@@ -324,6 +324,8 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         _PLANS[key] = plan
 
     if plan.use_tma:
+        if a.is_cuda:
+            ensure_cuda_context(a.device.index)
         a_arg = _rebase(plan.a_desc, a.t() if plan.a_trans else a)
         b_arg = _rebase(plan.b_desc, b.t() if plan.b_trans else b)
     else:

@@ -338,6 +338,50 @@ def test_explicit_config(config, layout, device):
     assert torch.equal(again, out), "override_config and config= disagree"
 
 
+def _tma_config(**kw):
+    return GemmConfig(16, 32, 16, group_m=2, num_warps=4, num_stages=1, use_tma=True, **kw)
+
+
+def _planned(*args, **kwargs):
+    """``tk.gemm(*args, **kwargs)`` with the plan cache emptied first, and the launch plan it made."""
+    plans = importlib.import_module("tilekernels.gemm.gemm")._PLANS  # the module, not tk.gemm
+    plans.clear()
+    result = tk.gemm(*args, **kwargs)
+    (plan,) = plans.values()
+    return result, plan
+
+
+@pytest.mark.parametrize("slices", [0, 1, 2, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_tma_epilogue(layout, slices, device):
+    """C and the residual through TMA descriptors (the Hopper default, run here by the interpreter):
+    edge tiles in M and N are clipped by the descriptors; operands a descriptor cannot take (a
+    column-major residual or out, a row stride that is not 16-byte aligned, split-K) fall back to the
+    pointer epilogue. Every case is checked against the reference and the descriptor use is asserted."""
+    M, N, K = 40, 48, 40  # edge tiles in M (8 of 16 rows) and N (16 of 32); 16-byte rows for TMA
+    config = _tma_config(epilogue_slices=slices)
+    a, b = operands(M, N, K, torch.bfloat16, layout, device, unit=True)
+    cases = [("plain", {}, True, False),
+             ("residual", epilogue_operands("residual", M, N, torch.bfloat16, device), True, True),
+             ("all_fp32_out", epilogue_operands("all_fp32_out", M, N, torch.bfloat16, device), True, True),
+             ("broadcast", epilogue_operands("broadcast", M, N, torch.bfloat16, device), True, False),
+             ("split_k", {"split_k": 2, "bias": random_tensor((N,), torch.bfloat16, device)}, False, False)]
+    for name, kwargs, c_desc, res_desc in cases:
+        out = poisoned((M, N), kwargs.get("out_dtype") or torch.bfloat16, device)
+        _, plan = _planned(a, b, config=config, out=out, **kwargs)
+        assert (plan.c_desc is not None, plan.res_desc is not None) == (c_desc, res_desc), name
+        check(f"{name}-{layout}-e{slices}", out, a, b, **{k: v for k, v in kwargs.items() if k != "split_k"})
+    for out_kind in ("col", "padded"):  # column-major: pointer store; padded (row stride 53 * 2 bytes): too
+        out, base = strided_out(M, N, torch.bfloat16, device, out_kind)
+        result, plan = _planned(a, b, config=config, out=out)
+        assert plan.c_desc is None, out_kind
+        check(f"out-{out_kind}", out, a, b)
+        check_out_view(out_kind, out, base, result)
+    without, plan = _planned(a, b, config=dataclasses.replace(config, tma_epilogue=False), **cases[2][1])
+    assert plan.c_desc is None
+    assert torch.equal(without, tk.gemm(a, b, config=config, **cases[2][1])), "TMA and pointer epilogues differ"
+
+
 def test_candidate_configs(device):
     """Every config the sweep would try on this device, on one small odd shape (the GPU lane has a
     bigger one, with the tuned configs too)."""

@@ -17,7 +17,8 @@ Operand loads:
 
 Epilogue order (DESIGN.md): ``acc*alpha*scale_a*scale_b + bias -> activation -> * mul... ->
 + beta*residual -> cast``. Every ``[M, N]``-shaped epilogue operand is addressed through its strides,
-so broadcast views (stride 0) cost no copy; row offsets are 64-bit.
+so broadcast views (stride 0) cost no copy; row offsets are 64-bit. With TMA operands, C and a full
+row-major residual go through TMA descriptors instead (``epilogue_store``; gemm.py decides per launch).
 """
 
 import triton
@@ -61,8 +62,15 @@ def epilogue_store(acc, c_ptr, stride_cm, stride_cn, offs_m, offs_n, M, N, alpha
                    res_ptr, stride_res_m, stride_res_n,
                    HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
                    HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
-                   NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr):
-    """Apply the fused epilogue to one ``[BM, BN]`` accumulator tile and store it into C."""
+                   NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
+                   C_DESC: tl.constexpr = False, RES_DESC: tl.constexpr = False, off_m=0, off_n=0):
+    """Apply the fused epilogue to one ``[BM, BN]`` accumulator tile and store it into C.
+
+    ``C_DESC`` / ``RES_DESC``: C / the residual are TMA descriptors whose box is this tile, read and
+    written at ``(off_m, off_n)``; the TMA unit clips rows and columns past the edges (and a tile
+    placed at row M or beyond touches nothing), so no masks and no per-element address arithmetic.
+    The store is asynchronous: the program goes on to its next tile while C drains from shared memory.
+    """
     mask_m = offs_m < M
     mask_n = offs_n < N
     mask = mask_m[:, None] & mask_n[None, :]
@@ -90,9 +98,37 @@ def epilogue_store(acc, c_ptr, stride_cm, stride_cn, offs_m, offs_n, M, N, alpha
         if NUM_MUL >= 2:
             out = out * _load_mn(mul1_ptr, offs_m, offs_n, mask, stride_mul1_m, stride_mul1_n)
         if HAS_RESIDUAL:
-            out = out + beta * _load_mn(res_ptr, offs_m, offs_n, mask, stride_res_m, stride_res_n)
-    c_ptrs = c_ptr + offset_i64(offs_m, stride_cm)[:, None] + offset_i64(offs_n, stride_cn)[None, :]
-    tl.store(c_ptrs, cast_for_store(out, c_ptr.dtype.element_ty), mask=mask)
+            if RES_DESC:
+                out = out + beta * res_ptr.load([off_m, off_n]).to(tl.float32)
+            else:
+                out = out + beta * _load_mn(res_ptr, offs_m, offs_n, mask, stride_res_m, stride_res_n)
+    if C_DESC:
+        c_ptr.store([off_m, off_n], cast_for_store(out, c_ptr.dtype))
+    else:
+        c_ptrs = c_ptr + offset_i64(offs_m, stride_cm)[:, None] + offset_i64(offs_n, stride_cn)[None, :]
+        tl.store(c_ptrs, cast_for_store(out, c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _halves(x):
+    """``[BM, BN]`` -> (columns ``[0, BN/2)``, columns ``[BN/2, BN)``)."""
+    BM: tl.constexpr = x.shape[0]
+    BN: tl.constexpr = x.shape[1]
+    return tl.split(tl.permute(tl.reshape(x, (BM, 2, BN // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def column_slices(x, SLICES: tl.constexpr):
+    """``x`` as a tuple of ``SLICES`` (1, 2 or 4) column slices, left to right."""
+    if SLICES == 1:
+        return (x,)
+    elif SLICES == 2:
+        return _halves(x)
+    else:
+        left, right = _halves(x)
+        l0, l1 = _halves(left)
+        r0, r1 = _halves(right)
+        return l0, l1, r0, r1
 
 
 @triton.jit(do_not_specialize=["signal_value", "max_spins"])
@@ -112,7 +148,8 @@ def gemm_kernel(
     SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, EVEN_K: tl.constexpr,
     ACC_INT: tl.constexpr, FP32_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SLICES: tl.constexpr,
+    C_DESC: tl.constexpr, RES_DESC: tl.constexpr,
     HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
     NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
@@ -207,26 +244,24 @@ def gemm_kernel(
                       + offs_cn[None, :])
             tl.store(p_ptrs, acc, mask=mask)
         else:
-            # With EPILOGUE_SUBTILE the tile goes out as two [BM, BN/2] halves, one after the other:
-            # half the registers live while the epilogue loads its operands, so a heavy epilogue does
-            # not spill the accumulator (fused bias+gelu+residual: 616 -> 673 TFLOP/s at 8192^3).
-            if EPILOGUE_SUBTILE:
-                halves = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            for part in tl.static_range(2 if EPILOGUE_SUBTILE else 1):
-                if EPILOGUE_SUBTILE:
-                    tile = halves[part]
-                    offs_part = pid_n * BLOCK_N + part * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-                else:
-                    tile = acc
-                    offs_part = offs_cn
-                epilogue_store(tile, c, stride_cm, stride_cn, offs_cm, offs_part, rows_valid, N, alpha, beta,
-                               scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
+            # The tile goes out in EPILOGUE_SLICES column slices, one after the other: fewer registers
+            # live while the epilogue loads its operands, so a heavy epilogue does not spill the
+            # accumulator (fused bias+gelu+residual: 616 -> 673 TFLOP/s at 8192^3 with two), and
+            # with C_DESC a smaller shared-memory staging buffer for the TMA store. A skipped async
+            # tile (rows_valid 0) is placed at row tiles_m * BLOCK_M, where descriptors touch nothing.
+            off_cm = tl.where(rows_valid > 0, pid_m * BLOCK_M, tiles_m * BLOCK_M)
+            slices = column_slices(acc, EPILOGUE_SLICES)
+            for part in tl.static_range(EPILOGUE_SLICES):
+                off_part = pid_n * BLOCK_N + part * (BLOCK_N // EPILOGUE_SLICES)
+                offs_part = off_part + tl.arange(0, BLOCK_N // EPILOGUE_SLICES)
+                epilogue_store(slices[part], c, stride_cm, stride_cn, offs_cm, offs_part, rows_valid, N, alpha,
+                               beta, scale_a_ptr, stride_scale_a, scale_b_ptr, stride_scale_b,
                                bias_ptr, stride_bias_m, stride_bias_n,
                                mul0_ptr, stride_mul0_m, stride_mul0_n,
                                mul1_ptr, stride_mul1_m, stride_mul1_n,
                                res_ptr, stride_res_m, stride_res_n,
                                HAS_ALPHA, HAS_SCALE_A, HAS_SCALE_B, HAS_BIAS, BIAS_IS_ROW, ACTIVATION,
-                               NUM_MUL, HAS_RESIDUAL, OUT_IS_INT)
+                               NUM_MUL, HAS_RESIDUAL, OUT_IS_INT, C_DESC, RES_DESC, off_cm, off_part)
         if TRACE:
             trace_slot = trace_event(trace_events, trace_clock_ptr, pid, trace_slot, TRACE_COMPUTE, trace_start,
                                      pid_m, TRACE_MAX_EVENTS)

@@ -37,10 +37,20 @@ class GemmConfig:
     flatten: bool = True
     # Programs resident per SM for the persistent grid.
     programs_per_sm: int = 1
+    # Read the residual and write C through TMA descriptors (with TMA operands, C and the residual
+    # row-major and 16-byte aligned, no split-K): no per-element addresses, and C's store drains
+    # asynchronously while the next tile starts.
+    tma_epilogue: bool = True
+    # Column slices the epilogue works through one after the other (1, 2 or 4); 0 picks: 2 for a heavy
+    # epilogue (fewer live registers), and with a TMA epilogue as many as its shared-memory staging needs.
+    epilogue_slices: int = 0
 
     def describe(self) -> str:
         extra = (("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
-                 + ("" if self.flatten else "+noflat") + (f"+p{self.programs_per_sm}" if self.programs_per_sm > 1 else ""))
+                 + ("" if self.flatten else "+noflat")
+                 + (f"+p{self.programs_per_sm}" if self.programs_per_sm > 1 else "")
+                 + ("" if self.tma_epilogue else "+ptrepi")
+                 + (f"+e{self.epilogue_slices}" if self.epilogue_slices else ""))
         return (f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}{extra}")
 

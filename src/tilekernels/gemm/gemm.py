@@ -209,11 +209,15 @@ class _Plan:
     has compiled it (GPU only); until then, and always under the interpreter, calls go through Triton.
     """
 
-    __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "num_programs",
-                 "ints", "epilogue_strides", "async_ints", "constexprs", "epilogue_flags", "acc_int", "launch")
+    __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "c_desc", "res_desc",
+                 "num_programs", "ints", "epilogue_strides", "async_ints", "constexprs", "epilogue_flags", "acc_int",
+                 "launch")
 
 
 _PLANS: dict[tuple, _Plan] = {}
+# Shared memory a launch may plan for its pipeline plus the epilogue's TMA staging (H100/H200: 227 KiB
+# per block, less what the compiler adds for barriers and layout conversions).
+_SMEM_BUDGET = 216 * 1024
 _MAX_PLANS = 1024  # distinct call signatures kept; the oldest is dropped past this
 
 
@@ -259,6 +263,9 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         plan.a_desc = _descriptor(a_base, (cfg.block_k, cfg.block_m) if plan.a_trans else (cfg.block_m, cfg.block_k))
         plan.b_desc = _descriptor(b_base, (cfg.block_n, cfg.block_k) if plan.b_trans else (cfg.block_k, cfg.block_n))
 
+    heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
+    slices, plan.c_desc, plan.res_desc = _epilogue_plan(cfg, use_tma, a, c, residual, heavy_epilogue, split_k)
+
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
     plan.num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
     plan.ints = (M, N, K, k_per_split, plan.num_programs,
@@ -280,7 +287,6 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         OUT_IS_INT=c.dtype == torch.int32,
     )
     precision = fp32_precision()
-    heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
     plan.constexprs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split_k,
@@ -288,13 +294,43 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         ACC_INT=plan.acc_int, FP32_PRECISION=precision,
         COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
         FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
-        EPILOGUE_SUBTILE=heavy_epilogue and cfg.block_n >= 32 and split_k == 1,
+        EPILOGUE_SLICES=slices, C_DESC=plan.c_desc is not None, RES_DESC=plan.res_desc is not None,
         **plan.epilogue_flags,
         ASYNC_INPUT=async_input is not None,
         SIGNAL_IS_PTR=async_input is not None and isinstance(async_input[3], torch.Tensor),
         TRACE=trace is not None, TRACE_MAX_EVENTS=trace.max_events if trace is not None else 1,
     )
     return plan
+
+
+def _epilogue_plan(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Tensor, residual, heavy: bool,
+                   split_k: int):
+    """(column slices, C's descriptor or None, the residual's descriptor or None) for one launch.
+
+    The TMA epilogue needs TMA operands, no split-K (the partials go to a workspace) and C (and the
+    residual, to read it that way) row-major, 16-byte aligned and not broadcast. Its staging buffers
+    share shared memory with the operand pipeline, so the tile goes out in as many slices as that
+    takes (at most 4; past that the pointer epilogue runs instead).
+    """
+    fixed = cfg.epilogue_slices
+    default = 2 if heavy and cfg.block_n >= 32 and split_k == 1 else 1
+    if not (use_tma and cfg.tma_epilogue and split_k == 1):
+        return fixed or default, None, None
+    M, N = c.shape
+    c_view = _tma_view(c)
+    if c_view is None or c_view[1]:
+        return fixed or default, None, None
+    res_ok = residual is not None and tuple(residual.shape) == (M, N)
+    res_view = _tma_view(residual) if res_ok else None
+    res_ok = res_view is not None and not res_view[1]
+    pipeline = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * a.element_size()
+    staging = cfg.block_m * cfg.block_n * (c.element_size() + (residual.element_size() if res_ok else 0))
+    for slices in ((fixed,) if fixed else (default, 2, 4)):
+        fits = pipeline + staging // slices <= _SMEM_BUDGET and cfg.block_n // slices >= 8
+        if fits and (fixed or slices >= default):
+            box = (cfg.block_m, cfg.block_n // slices)
+            return slices, _descriptor(c, box), _descriptor(residual, box) if res_ok else None
+    return fixed or default, None, None
 
 
 def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
@@ -330,6 +366,8 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         b_arg = _rebase(plan.b_desc, b.t() if plan.b_trans else b)
     else:
         a_arg, b_arg = a, b
+    c_arg = c if plan.c_desc is None else _rebase(plan.c_desc, c)
+    res_arg = residual if plan.res_desc is None else _rebase(plan.res_desc, residual)
     M, N = plan.ints[0], plan.ints[1]
     partials = None
     if plan.split_k > 1:
@@ -339,7 +377,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     mul0 = mul[0] if len(mul) > 0 else None
     mul1 = mul[1] if len(mul) > 1 else None
     epilogue_args = (alpha, beta, scale_a, ssa, scale_b, ssb, bias, sbm, sbn, mul0, sm0m, sm0n, mul1, sm1m, sm1n,
-                     residual, srm, srn)
+                     res_arg, srm, srn)
     if async_input is None:
         wait_args = (None, None, 0, 0, 0, 0)
     else:
@@ -347,7 +385,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         errors = async_input[5] if own_errors else error_table(a.device, signals.numel())
         wait_args = (signals, errors, *plan.async_ints, signal_value, max_spins)
     trace_args = (trace.events, trace.clock) if trace is not None else (None, None)
-    args = (a_arg, b_arg, c, partials, *plan.ints, *epilogue_args, *wait_args, *trace_args)
+    args = (a_arg, b_arg, c_arg, partials, *plan.ints, *epilogue_args, *wait_args, *trace_args)
     if plan.launch is not None:
         plan.launch(plan.num_programs, args + tuple(plan.constexprs.values()))
     else:

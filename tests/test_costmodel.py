@@ -95,3 +95,18 @@ def test_command_on_the_measured_results(tmp_path, capsys):
     assert report["world"] == 8 and report["validation"] and report["predictions"]
     text = capsys.readouterr().out
     assert "predicted ms at 8 GPUs" in text and "fit on 2 GPUs, predicted 4 GPUs" in text
+
+
+def test_markdown_marks_predictions_and_compares_once_measured():
+    """Before the predicted world size is measured the section says PREDICTED; after, every prediction
+    stands next to what its algorithm measured (speedup over measured nccl)."""
+    report = {"world": 8, "validation": [],
+              "predictions": [{"op": "all_gather_matmul", "M": 8192, "N": 3584, "K": 8192,
+                               "ms": {"nccl": 1.0, "pipelined": None, "copy_engine": 0.5, "fetch": None}}]}
+    text = cm.markdown(report)
+    assert "PREDICTED by the cost model, not measured" in text and "2.00x (copy_engine)" in text
+    shape = ("all_gather_matmul", 8, 8192, 3584, 8192)
+    measured = cm.Measured({shape + ("tk.nccl",): 1.0e-3, shape + ("tk.copy_engine",): 4.0e-3})
+    text = cm.markdown(report, measured)
+    assert "not measured" not in text and "against the later measurement" in text
+    assert "| 2.00x (copy_engine) | 0.25x |" in text

@@ -387,25 +387,43 @@ def _error_summary(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown(report: dict) -> str:
-    """The RESULTS.md section for a saved report (``--json``): predictions, marked as such."""
+def markdown(report: dict, measured: Measured | None = None) -> str:
+    """The RESULTS.md section for a saved report (``--json``): predictions, marked as such, and, once
+    that world size has been measured (``measured``), each prediction next to its measurement."""
     world = report["world"]
-    lines = [f"### tk.dist at {world} GPUs — PREDICTED by the cost model, not measured",
-             "",
-             f"No machine with {world} GPUs was available. `python -m tilekernels bench costmodel` fits the model "
-             "(`tilekernels/bench/costmodel.py`) to the measured 2- and 4-GPU rows above and predicts these "
-             "ms; `-` is an algorithm or shape it does not predict. Fit on 2 GPUs, it predicted the measured "
-             "4-GPU times within the median errors listed below. `auto` reads these rows (source: model) "
-             "only with a 10% predicted margin over nccl.",
-             "",
-             "| op | shape (MxNxK) | " + " | ".join(ALGORITHMS) + " | best vs nccl |",
-             "|---|---|" + "---:|" * (len(ALGORITHMS) + 1)]
-    for r in report["predictions"]:
+    rows = report["predictions"]
+    seen = [r for r in rows if measured is not None
+            and measured.get(r["op"], world, r["M"], r["N"], r["K"], "tk.nccl") is not None]
+    if seen:
+        lines = [f"### tk.dist at {world} GPUs — the cost model's predictions against the later measurement",
+                 "",
+                 f"These ms were predicted before any {world}-GPU machine was lent (`python -m tilekernels bench "
+                 "costmodel`, fitted on the 2- and 4-GPU rows); the measured tables above came later and "
+                 "replace them in `auto`'s table. `predicted best` is the model's pick and its speedup over "
+                 "nccl; `measured` is what that algorithm then measured, as speedup over measured nccl."]
+    else:
+        lines = [f"### tk.dist at {world} GPUs — PREDICTED by the cost model, not measured",
+                 "",
+                 f"No machine with {world} GPUs was available. `python -m tilekernels bench costmodel` fits the "
+                 "model (`tilekernels/bench/costmodel.py`) to the measured 2- and 4-GPU rows above and predicts "
+                 "these ms; `-` is an algorithm or shape it does not predict. Fit on 2 GPUs, it predicted the "
+                 "measured 4-GPU times within the median errors listed below. `auto` reads these rows (source: "
+                 "model) only with a 10% predicted margin over nccl."]
+    lines += ["",
+              "| op | shape (MxNxK) | " + " | ".join(ALGORITHMS) + " | predicted best vs nccl |"
+              + (" measured |" if seen else ""),
+              "|---|---|" + "---:|" * (len(ALGORITHMS) + 1 + bool(seen))]
+    for r in rows:
         ms = r["ms"]
         cells = [f"{ms[a]:.3f}" if ms.get(a) is not None else "-" for a in ALGORITHMS]
         best = min((v, a) for a, v in ms.items() if v is not None)
         ratio = f"{ms['nccl'] / best[0]:.2f}x ({best[1]})" if ms.get("nccl") else "-"
-        lines.append(f"| {r['op']} | {r['M']}x{r['N']}x{r['K']} | " + " | ".join(cells) + f" | {ratio} |")
+        line = f"| {r['op']} | {r['M']}x{r['N']}x{r['K']} | " + " | ".join(cells) + f" | {ratio} |"
+        if seen:
+            shape = (r["op"], world, r["M"], r["N"], r["K"])
+            nccl, pick = measured.get(*shape, "tk.nccl"), measured.get(*shape, f"tk.{best[1]}")
+            line += f" {nccl / pick:.2f}x |" if nccl and pick else " - |"
+        lines.append(line)
     lines += ["", "Validation (fit on 2 GPUs, predicted 4 GPUs; predicted / measured - 1):", "",
               "```", _error_summary(report["validation"]), "```"]
     return "\n".join(lines)

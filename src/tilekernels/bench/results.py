@@ -149,7 +149,8 @@ def render(results_dir: pathlib.Path) -> str:
             from . import costmodel
 
             sections.append(f"## tk.dist cost model — {device_dir.name}\n\n"
-                            + costmodel.markdown(json.loads(model.read_text())))
+                            + costmodel.markdown(json.loads(model.read_text()),
+                                                 costmodel.load_measured(results_dir, device_dir.name)))
     if not sections:
         sections.append("No GPU figures have been measured yet. Run `python -m tilekernels bench gemm` on a "
                         "GPU (or `scripts/gpu_lane.sh bench` on the device machine, then import its JSON "

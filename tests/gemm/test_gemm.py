@@ -382,6 +382,23 @@ def test_tma_epilogue(layout, slices, device):
     assert torch.equal(without, tk.gemm(a, b, config=config, **cases[2][1])), "TMA and pointer epilogues differ"
 
 
+def test_cached_plan_keeps_no_tensor_alive(device):
+    """A launch plan is cached per signature; its TMA descriptor templates must not hold the first
+    call's operands, output or residual (that memory would stay allocated as long as the plan)."""
+    import gc
+    import weakref
+
+    M, N, K = 40, 48, 40
+    a, b = operands(M, N, K, torch.bfloat16, "RR", device)
+    residual = random_tensor((M, N), torch.bfloat16, device)
+    out, plan = _planned(a, b, residual=residual, config=_tma_config())
+    assert plan.c_desc is not None and plan.res_desc is not None
+    refs = [weakref.ref(t) for t in (a, b, residual, out)]
+    del a, b, residual, out
+    gc.collect()
+    assert all(r() is None for r in refs), "the cached plan keeps a call's tensors alive"
+
+
 def test_candidate_configs(device):
     """Every config the sweep would try on this device, on one small odd shape (the GPU lane has a
     bigger one, with the tuned configs too)."""

@@ -163,9 +163,14 @@ def _tma_view(t: torch.Tensor):
 
 
 def _descriptor(view: torch.Tensor, block_shape):
+    """A validated descriptor template for ``view``'s shape, strides and alignment; ``_rebase`` puts
+    each call's tensor under it. The template keeps no tensor: a cached plan holding the first call's
+    operands (or its output) would keep their memory alive."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), list(block_shape))
+    template = TensorDescriptor(view, list(view.shape), list(view.stride()), list(block_shape))
+    template.base = None
+    return template
 
 
 def _rebase(template, view: torch.Tensor):

@@ -382,6 +382,14 @@ def test_tma_epilogue(layout, slices, device):
     assert torch.equal(without, tk.gemm(a, b, config=config, **cases[2][1])), "TMA and pointer epilogues differ"
 
 
+@pytest.mark.parametrize("slices", [3, -1, 8])
+def test_bad_epilogue_slices(slices):
+    with pytest.raises(ValueError, match="epilogue_slices"):
+        GemmConfig(16, 32, 16, epilogue_slices=slices)
+    with pytest.raises(ValueError, match="epilogue_slices"):
+        GemmConfig(16, 6, 16, epilogue_slices=4)
+
+
 def test_cached_plan_keeps_no_tensor_alive(device):
     """A launch plan is cached per signature; its TMA descriptor templates must not hold the first
     call's operands, output or residual (that memory would stay allocated as long as the plan)."""

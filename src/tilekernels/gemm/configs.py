@@ -45,6 +45,13 @@ class GemmConfig:
     # epilogue (fewer live registers), and with a TMA epilogue as many as its shared-memory staging needs.
     epilogue_slices: int = 0
 
+    def __post_init__(self):
+        if self.epilogue_slices not in (0, 1, 2, 4):
+            raise ValueError(f"GemmConfig: epilogue_slices must be 0 (pick), 1, 2 or 4, got {self.epilogue_slices!r}")
+        if self.epilogue_slices and self.block_n % self.epilogue_slices:
+            raise ValueError(f"GemmConfig: block_n {self.block_n} does not split into epilogue_slices "
+                             f"{self.epilogue_slices}")
+
     def describe(self) -> str:
         extra = (("+tma" if self.use_tma else "") + ("+ws" if self.warp_specialize else "")
                  + ("" if self.flatten else "+noflat")

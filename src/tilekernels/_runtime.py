@@ -157,7 +157,7 @@ def fp32_precision() -> str:
 
 
 @triton.jit
-def dot(a, b, acc, FP32_PRECISION: tl.constexpr = "tf32"):
+def dot(a, b, acc, FP32_PRECISION: tl.constexpr):
     """``acc + a @ b`` with fp32 (int32 for int8) accumulation.
 
     bf16 under the interpreter: widened to fp32 (exact products), since interpreted bf16 ``tl.dot`` is

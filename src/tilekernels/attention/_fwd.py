@@ -1,0 +1,532 @@
+"""FlashAttention forward kernel, the score/mask/dropout device helpers the backward shares, and configs.
+
+One program computes ``BLOCK_M`` query rows of one (sequence, head) against every key block it may
+see, with the online softmax in base 2 (FlashAttention-2's algorithm):
+
+    s_ij = f(q_i . k_j)              f = scale * x, or softcap * tanh(scale * x / softcap)
+           - slope_h * |i + Sk - Sq - j|                  (ALiBi)
+    allowed(i, j) = j < Sk  and  j >= i + Sk - Sq - left  and  j <= i + Sk - Sq + right
+    o_i = sum_j softmax_j(s_i) * keep_ij / (1 - p) * v_j   lse_i = log sum_j exp(s_ij)
+
+Causal is ``right = 0`` (bottom-right aligned, as FA2). A row that may see no key gets ``o = 0`` and
+``lse = +inf`` (FA2's convention: the backward's ``exp(s - lse)`` is then 0).
+
+Key blocks are visited in three ranges, so that only blocks that cut a mask edge pay for the mask:
+``[lo, full_lo)`` masked (left window edge), ``[full_lo, full_hi)`` unmasked, ``[full_hi, hi)`` masked
+(causal diagonal, right window edge, the ragged end of the keys).
+
+Sequences: batch mode reads ``b * stride_b``; varlen mode reads the sequence's start and length from
+``cu_seqlens`` on the device (no host copy) and programs past the sequence's end return at once.
+Addresses: every base offset (batch, sequence start, block start) is int64; only in-tile offsets are
+int32.
+
+Dropout: keep_ij = ``philox(seed, j, i, b * H + h, offset) >= p`` on local positions, so forward,
+backward and ``dropout_keep_mask`` draw the same mask whatever the tile sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .._runtime import (cast_for_store, cdiv, dot, ensure_cuda_context, is_interpreter,
+                        supports_tensor_descriptors)
+
+LOG2E = 1.4426950408889634
+# the operands are fp16/bf16: the fp32 switch of the shared dot helper never applies
+FP32_PRECISION = tl.constexpr("ieee")
+
+
+# ----------------------------------------------------------------------------------------------------
+# device helpers shared with the backward
+
+
+@triton.jit
+def seq_bounds(CuSeqlens, b, seqlen_batch, IS_VARLEN: tl.constexpr):
+    """(start row, length) of sequence ``b``: from ``cu_seqlens`` in varlen mode, else (0, seqlen)."""
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + b)
+        seqlen = tl.load(CuSeqlens + b + 1) - start
+    else:
+        seqlen = seqlen_batch + tl.zeros((), tl.int32)
+        start = seqlen * 0
+    return start, seqlen
+
+
+@triton.jit
+def floor_to(x, block: tl.constexpr):
+    """The largest multiple of ``block`` <= max(x, 0)."""
+    return (tl.maximum(x, 0) // block) * block
+
+
+@triton.jit
+def ceil_to(x, block: tl.constexpr):
+    """The smallest multiple of ``block`` >= max(x, 0)."""
+    return ((tl.maximum(x, 0) + block - 1) // block) * block
+
+
+@triton.jit
+def scores_log2(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale_log2, softcap_log2, scale_over_cap,
+                slope_log2, window_left, window_right, MASKED: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Scores in log2 units (``s * log2(e)``), ``-inf`` where masked, and tanh(scale * qk / softcap).
+
+    ``q_idx`` and ``k_idx`` are the local query and key positions, broadcastable to ``qk``'s shape
+    (``[M, 1]`` and ``[1, N]``, or transposed for the backward's ``k @ q^T``). The second result is
+    what the backward needs for softcap's derivative (``qk`` itself without softcap).
+    """
+    t = qk
+    if HAS_SOFTCAP:
+        x = qk * scale_over_cap
+        t = 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0  # tanh(x), exact at both tails
+        s = t * softcap_log2
+    else:
+        s = qk * qk_scale_log2
+    diag = seqlen_k - seqlen_q
+    if HAS_ALIBI:
+        s = s - slope_log2 * tl.abs(q_idx + diag - k_idx).to(tl.float32)
+    if MASKED:
+        allowed = k_idx < seqlen_k
+        if HAS_RIGHT:
+            allowed = allowed & (k_idx <= q_idx + diag + window_right)
+        if HAS_LEFT:
+            allowed = allowed & (k_idx >= q_idx + diag - window_left)
+        s = tl.where(allowed, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, rng_offset, bh, q_idx, k_idx, dropout_p):
+    """keep_ij = uniform(philox(seed, j, i, b*H + h, offset)) >= p, on a tile of local positions."""
+    zero = (q_idx * 0) + (k_idx * 0)
+    c0 = (k_idx + zero).to(tl.uint32)
+    c1 = (q_idx + zero).to(tl.uint32)
+    c2 = (bh + zero).to(tl.uint32)
+    c3 = (rng_offset + zero).to(tl.uint32)
+    r0, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    return tl.random.uint_to_uniform_float(r0) >= dropout_p
+
+
+@triton.jit
+def load_rows(base, offs_row, stride_row, offs_d, row_limit, HEAD_DIM: tl.constexpr,
+              ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [rows, HEAD_DIM_PAD] tile: rows ``offs_row`` (in-tile offsets) of a row-strided, d-contiguous
+    block; rows at or past ``row_limit`` and columns past ``HEAD_DIM`` read as 0."""
+    ptrs = base + offs_row[:, None] * stride_row + offs_d[None, :]
+    if ROW_MASK:
+        if EVEN_D:
+            return tl.load(ptrs, mask=offs_row[:, None] < row_limit, other=0.0)
+        return tl.load(ptrs, mask=(offs_row[:, None] < row_limit) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+
+
+@triton.jit
+def seq_source(X, b, start, head, stride_b, stride_s, stride_h, seqlen_batch, IS_VARLEN: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Where sequence ``b``'s rows of head ``head`` are: (source, row0) for ``load_block``.
+
+    Pointers: the int64 base address of its first row, row0 unused. TMA: the descriptor itself and the
+    descriptor row of its first row (batch mode flattens (b, s) into rows; varlen rows are global).
+    """
+    if USE_TMA:
+        src = X
+        if IS_VARLEN:
+            row0 = start
+        else:
+            row0 = b * seqlen_batch
+    else:
+        src = (X + b.to(tl.int64) * stride_b + tl.cast(start, tl.int64) * stride_s
+               + tl.cast(head, tl.int64) * stride_h)
+        row0 = start * 0
+    return src, row0
+
+
+@triton.jit
+def load_block(src, row0, block_start, head, offs_row, stride_row, offs_d, row_limit, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr,
+               USE_TMA: tl.constexpr):
+    """Rows ``block_start + offs_row`` of a sequence as a [BLOCK, HEAD_DIM_PAD] tile (``seq_source``
+    gives ``src``/``row0``). With ``ROW_MASK``, rows at or past ``row_limit`` (relative to the block)
+    read as 0 -- through TMA too, where they would hold the next sequence's rows, or padding that may be
+    NaN (and 0 * NaN is not 0)."""
+    if USE_TMA:
+        x = src.load([row0 + block_start, head, 0]).reshape(BLOCK, HEAD_DIM_PAD)
+        if ROW_MASK:
+            x = tl.where((offs_row < row_limit)[:, None], x, 0.0)
+    else:
+        x = load_rows(src + tl.cast(block_start, tl.int64) * stride_row, offs_row, stride_row, offs_d,
+                      row_limit, HEAD_DIM, ROW_MASK, EVEN_D)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------
+# the forward kernel
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, k_src, v_src, kv_row0, hk, stride_ks, stride_vs, offs_m, offs_n, offs_d, lo,
+                hi, seqlen_q, seqlen_k, qk_scale_log2, softcap_log2, scale_over_cap, slope_log2, window_left,
+                window_right, seed, rng_offset, bh, dropout_p, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Online softmax over key blocks ``[lo, hi)``; ``MASKED`` blocks apply the masks and bounds.
+
+    ``k_src``/``v_src`` and ``kv_row0``: the (sequence, KV head)'s keys and values (``seq_source``).
+    """
+    for n0 in tl.range(lo, hi, BLOCK_N):
+        k = load_block(k_src, kv_row0, n0, hk, offs_n, stride_ks, offs_d, seqlen_k - n0, HEAD_DIM,
+                       HEAD_DIM_PAD, BLOCK_N, MASKED, EVEN_D, USE_TMA)
+        # [BM, D] @ [D, BN] -> [BM, BN]
+        qk = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_PRECISION)
+        k_idx = n0 + offs_n
+        if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+            s, _ = scores_log2(qk, offs_m[:, None], k_idx[None, :], seqlen_q, seqlen_k, qk_scale_log2,
+                               softcap_log2, scale_over_cap, slope_log2, window_left, window_right,
+                               MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row with nothing allowed yet keeps m = -inf; subtract 0 instead (exp2(-inf) = 0, not NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_use[:, None])
+        else:
+            # plain scores: scale once inside one FMA per element (the scale is > 0, so max commutes)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
+            m_use = m_new
+            p = tl.math.exp2(qk * qk_scale_log2 - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], k_idx[None, :], dropout_p)
+            p = tl.where(keep, p, 0.0)
+        v = load_block(v_src, kv_row0, n0, hk, offs_n, stride_vs, offs_d, seqlen_k - n0, HEAD_DIM,
+                       HEAD_DIM_PAD, BLOCK_N, MASKED, EVEN_D, USE_TMA)
+        acc = dot(p.to(v.dtype), v, acc, FP32_PRECISION)  # [BM, BN] @ [BN, D] -> [BM, D]
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, AlibiSlopes, SeedOffset, stride_qb, stride_qs,
+              stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ob,
+              stride_os, stride_oh, stride_lb, stride_lh, stride_ab, seqlen_q_batch, seqlen_k_batch,
+              num_heads, head_group, qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right,
+              dropout_p, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+              USE_TMA: tl.constexpr):
+    """out[b, m0:m0+BLOCK_M, h] and lse for one query block of one (sequence, head).
+
+    With ``USE_TMA``, Q, K and V are tensor descriptors over ``[rows, heads, D]`` (batch and sequence
+    flattened into rows; block ``[BLOCK, 1, HEAD_DIM_PAD]``, columns past D read as 0).
+    """
+    EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
+    # the longest rows (causal: the last blocks) start first
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    start_q, seqlen_q = seq_bounds(CuSeqlensQ, b, seqlen_q_batch, IS_VARLEN)
+    start_k, seqlen_k = seq_bounds(CuSeqlensK, b, seqlen_k_batch, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return
+    hk = h // head_group
+    row0 = (start_q + m0).to(tl.int64)
+    o_base = Out + b.to(tl.int64) * stride_ob + row0 * stride_os + h.to(tl.int64) * stride_oh
+    offs_tile = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_tile
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    k_src, kv_row0 = seq_source(K, b, start_k, hk, stride_kb, stride_ks, stride_kh, seqlen_k_batch, IS_VARLEN,
+                                USE_TMA)
+    v_src, _ = seq_source(V, b, start_k, hk, stride_vb, stride_vs, stride_vh, seqlen_k_batch, IS_VARLEN,
+                          USE_TMA)
+    q_src, q_row0 = seq_source(Q, b, start_q, h, stride_qb, stride_qs, stride_qh, seqlen_q_batch, IS_VARLEN,
+                               USE_TMA)
+    q = load_block(q_src, q_row0, m0, h, offs_tile, stride_qs, offs_d, seqlen_q - m0, HEAD_DIM, HEAD_DIM_PAD,
+                   BLOCK_M, True, EVEN_D, USE_TMA)
+
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * 1.4426950408889634
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SeedOffset)
+        rng_offset = tl.load(SeedOffset + 1)
+    bh = b * num_heads + h
+
+    # key range [lo, hi) any row of the block may see, and the unmasked middle [full_lo, full_hi)
+    diag = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = floor_to(m0 + diag - window_left, BLOCK_N)
+        full_lo = ceil_to(m0 + BLOCK_M - 1 + diag - window_left, BLOCK_N)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(m0 + BLOCK_M + diag + window_right, 0))
+        full_hi = tl.minimum(full_hi, floor_to(m0 + diag + window_right + 1, BLOCK_N))
+    mid_lo = tl.maximum(lo, tl.minimum(full_lo, hi))
+    mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, hi))
+
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_src, v_src, kv_row0, hk, stride_ks, stride_vs, offs_m,
+                                offs_n, offs_d, lo, mid_lo, seqlen_q, seqlen_k, qk_scale_log2, softcap_log2,
+                                scale_over_cap, slope_log2, window_left, window_right, seed, rng_offset, bh,
+                                dropout_p, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, HAS_LEFT,
+                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_src, v_src, kv_row0, hk, stride_ks, stride_vs, offs_m,
+                                offs_n, offs_d, mid_lo, mid_hi, seqlen_q, seqlen_k, qk_scale_log2,
+                                softcap_log2, scale_over_cap, slope_log2, window_left, window_right, seed,
+                                rng_offset, bh, dropout_p, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, False,
+                                HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_src, v_src, kv_row0, hk, stride_ks, stride_vs, offs_m,
+                                offs_n, offs_d, mid_hi, hi, seqlen_q, seqlen_k, qk_scale_log2, softcap_log2,
+                                scale_over_cap, slope_log2, window_left, window_right, seed, rng_offset, bh,
+                                dropout_p, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, HAS_LEFT,
+                                HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, EVEN_D, USE_TMA)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if HAS_DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    row_ok = offs_tile < seqlen_q - m0
+    o_ptrs = o_base + offs_tile[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, cast_for_store(out, Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    lse_ptrs = Lse + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + (start_q + offs_m).to(tl.int64)
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _dropout_mask_kernel(Keep, SeedOffset, seqlen_q, seqlen_k, num_heads, dropout_p,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """keep[b, h, i, j] exactly as the attention kernels draw it (tests and debugging)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = dropout_keep(tl.load(SeedOffset), tl.load(SeedOffset + 1), bh, offs_m[:, None], offs_n[None, :],
+                        dropout_p)
+    ptrs = (Keep + bh.to(tl.int64) * seqlen_q * seqlen_k + offs_m[:, None].to(tl.int64) * seqlen_k
+            + offs_n[None, :])
+    tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configs: data, per head-dim bucket
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper, keyed by (padded head dim, causal); chosen by sweeps on an H100 (bf16, S 2048-4096, TMA
+# loads, 2026-11-22, benchmarks/NOTES.md). D 128: 64x64/4 warps 500-573 TFLOP/s non-causal, 447-465
+# causal (128x128/8: 496 and 428); D 64: 64x128/4 402 (128x64/8 378); D 256: 128x64/8/3 stages 519
+# (2 stages 409). Without TMA, D 256 fits only 2 stages (``fwd_config``). Triton 3.6's automatic warp
+# specialization of the key loop fails to compile at 4 warps and is slower at 8 (493 vs 573).
+FWD_CONFIGS = {
+    (16, False): FwdConfig(64, 64, 4, 3), (16, True): FwdConfig(64, 64, 4, 3),
+    (32, False): FwdConfig(64, 64, 4, 3), (32, True): FwdConfig(64, 64, 4, 3),
+    (64, False): FwdConfig(64, 128, 4, 3), (64, True): FwdConfig(64, 64, 4, 3),
+    (128, False): FwdConfig(64, 64, 4, 3), (128, True): FwdConfig(64, 64, 4, 3),
+    (256, False): FwdConfig(128, 64, 8, 3), (256, True): FwdConfig(128, 64, 8, 3),
+}
+# Under the interpreter: small blocks, so the CPU tests' short sequences still span several of them.
+INTERPRETER_FWD_CONFIG = FwdConfig(32, 16, 4, 1)
+
+# tests and the bench sweep set this to force one config
+config_override: FwdConfig | None = None
+# tests: None decides by the device (TMA on Hopper and newer); False forces the pointer path; True
+# forces descriptors wherever the layout allows, also under the interpreter (which runs them)
+tma_mode: bool | None = None
+
+
+def head_dim_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def fwd_config(head_dim: int, causal: bool, tma: bool) -> FwdConfig:
+    if config_override is not None:
+        return config_override
+    if is_interpreter():
+        return INTERPRETER_FWD_CONFIG
+    cfg = FWD_CONFIGS[(head_dim_pad(head_dim), causal)]
+    if not tma and head_dim_pad(head_dim) == 256:
+        # pointer loads stage through more shared memory: 3 stages need 256 KiB at D 256
+        cfg = dataclasses.replace(cfg, num_stages=2)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------
+# launcher
+
+
+@dataclasses.dataclass
+class Problem:
+    """One attention call's geometry and options, as the launchers take them."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_seqlens_q: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor | None
+    softmax_scale: float
+    window_left: int          # -1: unlimited
+    window_right: int         # -1: unlimited; causal is 0
+    softcap: float
+    alibi_slopes: torch.Tensor | None
+    dropout_p: float
+    seed_offset: torch.Tensor | None
+
+    @property
+    def is_varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def causal(self) -> bool:
+        return self.window_right == 0
+
+    def scalars(self) -> tuple:
+        """(qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p)."""
+        if self.softcap > 0:
+            return (0.0, self.softcap * LOG2E, self.softmax_scale / self.softcap, self.window_left,
+                    self.window_right, self.dropout_p)
+        return (self.softmax_scale * LOG2E, 0.0, 0.0, self.window_left, self.window_right, self.dropout_p)
+
+    def flags(self) -> dict:
+        return dict(IS_VARLEN=self.is_varlen, HAS_LEFT=self.window_left >= 0,
+                    HAS_RIGHT=self.window_right >= 0, HAS_SOFTCAP=self.softcap > 0,
+                    HAS_ALIBI=self.alibi_slopes is not None, HAS_DROPOUT=self.dropout_p > 0)
+
+    def pointers(self, anchor: torch.Tensor) -> tuple:
+        """(cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed_offset), ``anchor`` standing in for absent ones."""
+        return tuple(anchor if t is None else t for t in
+                     (self.cu_seqlens_q, self.cu_seqlens_k, self.alibi_slopes, self.seed_offset))
+
+    def alibi_batch_stride(self) -> int:
+        slopes = self.alibi_slopes
+        return 0 if slopes is None or slopes.dim() == 1 else slopes.stride(0)
+
+
+def seq_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a ``[B, S, H, D]`` or varlen ``[total, H, D]`` tensor."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def lse_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of LSE ``[B, H, S]`` or varlen ``[H, total]``; rows are contiguous."""
+    if varlen:
+        return 0, lse.stride(0)
+    return lse.stride(0), lse.stride(1)
+
+
+def _flat_rows(t: torch.Tensor, varlen: bool) -> bool:
+    """Whether (batch, sequence) of ``t`` flatten into one row index with stride ``stride(-3)``."""
+    return varlen or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+
+
+def use_tensor_descriptors(tensors, varlen: bool) -> bool:
+    """TMA loads for these operands: Hopper or newer, 16-byte aligned bases and row/head strides,
+    rows that flatten (see ``_flat_rows``); the pointer path takes everything else."""
+    if tma_mode is False:
+        return False
+    if tma_mode is None and not (tensors[0].is_cuda and supports_tensor_descriptors(tensors[0].device)):
+        return False
+    esize = tensors[0].element_size()
+    return all(t.data_ptr() % 16 == 0 and (t.stride(-3) * esize) % 16 == 0
+               and (t.stride(-2) * esize) % 16 == 0
+               and t.shape[-1] * esize >= 16 and _flat_rows(t, varlen) for t in tensors)
+
+
+def row_descriptor(t: torch.Tensor, varlen: bool, block_rows: int, pad: int):
+    """A tensor descriptor over ``t`` as ``[rows, heads, D]``, block ``[block_rows, 1, pad]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = t.shape[0] if varlen else t.shape[0] * t.shape[1]
+    shape = [rows, t.shape[-2], t.shape[-1]]
+    return TensorDescriptor(t, shape, [t.stride(-3), t.stride(-2), 1], [block_rows, 1, pad])
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            prob: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for checked inputs (last dim contiguous)."""
+    varlen = prob.is_varlen
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if varlen:
+        lse = torch.empty((prob.num_heads, q.shape[0]), dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty((prob.batch, prob.num_heads, q.shape[1]), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        lse.fill_(float("inf"))
+        return out, lse
+    operands = (q, k, v)
+    use_tma = use_tensor_descriptors(operands, varlen)
+    cfg = fwd_config(prob.head_dim, prob.causal, use_tma)
+    grid = (cdiv(prob.max_seqlen_q, cfg.block_m), prob.batch * prob.num_heads)
+    if grid[0] == 0:
+        return out, lse
+    pad = head_dim_pad(prob.head_dim)
+    if use_tma:
+        if q.is_cuda:
+            ensure_cuda_context(q.device.index)
+        operands = tuple(row_descriptor(t, varlen, rows, pad)
+                         for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)))
+    _attn_fwd[grid](
+        *operands, out, lse, *prob.pointers(q),
+        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), *seq_strides(out, varlen),
+        *lse_strides(lse, varlen), prob.alibi_batch_stride(),
+        prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads, prob.num_heads // prob.num_kv_heads,
+        *prob.scalars(),
+        HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **prob.flags(),
+        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# dropout: the seed the ops draw, and the mask they apply
+
+
+def draw_philox_seed(device: torch.device) -> torch.Tensor:
+    """(seed, offset) as an int64 ``[2]`` tensor on ``device``, drawn from torch's default generator for
+    that device: reproducible after ``torch.manual_seed``, no host sync, and capturable in a CUDA graph
+    (each replay draws anew, as torch's own dropout does)."""
+    return torch.randint(0, 2**62, (2,), device=device, dtype=torch.int64)
+
+
+def dropout_keep_mask(seed_offset: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                      dropout_p: float) -> torch.Tensor:
+    """The bool keep mask ``[batch, heads, seqlen_q, seqlen_k]`` (local positions) the kernels use for
+    ``seed_offset`` (from ``draw_philox_seed``)."""
+    keep = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=seed_offset.device)
+    if keep.numel():
+        block = 16 if is_interpreter() else 64
+        grid = (cdiv(seqlen_q, block), cdiv(seqlen_k, block), batch * heads)
+        _dropout_mask_kernel[grid](keep, seed_offset, seqlen_q, seqlen_k, heads, float(dropout_p),
+                                   BLOCK_M=block, BLOCK_N=block)
+    return keep.bool()

@@ -1,0 +1,81 @@
+"""The TMA (tensor-descriptor) load path of the attention kernels against their pointer path.
+
+On Hopper the kernels read q/k/v (forward), q/dO (dK/dV) and k/v (dQ) through descriptors over
+``[rows, heads, D]``, where a block that runs past its sequence reads the next sequence's rows, or
+padding. The interpreter runs descriptors too, so the CPU lane forces that path here
+(``_fwd.tma_mode = True``) and requires results bit-identical to the pointer path, with NaN in the
+padding rows past ``cu_seqlens[-1]`` (0 * NaN would leak into real rows if the masked blocks did not
+zero them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilekernels as tk
+from tilekernels.attention import _fwd
+from tilekernels.testing import random_tensor
+
+
+@pytest.fixture
+def tma_mode():
+    """Set ``_fwd.tma_mode`` for one test and restore the device default after it."""
+    def set_mode(mode):
+        _fwd.tma_mode = mode
+    yield set_mode
+    _fwd.tma_mode = None
+
+
+def _run(fn, q, k, v, dout):
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = fn(qq, kk, vv)
+    out.backward(dout)
+    return out.detach(), qq.grad, kk.grad, vv.grad
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
+def test_tma_path_matches_pointer_path(device, tma_mode, varlen):
+    dtype, heads, kv_heads, head_dim = torch.float16, 4, 2, 40
+    if varlen:
+        cu_q = torch.tensor([0, 20, 65, 68], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 52, 62, 93], dtype=torch.int32, device=device)
+        q = random_tensor((70, heads, head_dim), dtype, device)
+        k = random_tensor((100, kv_heads, head_dim), dtype, device)
+        v = random_tensor((100, kv_heads, head_dim), dtype, device)
+        # padding past the last sequence, as in a buffer sized for more tokens
+        q[68:], k[93:], v[93:] = float("nan"), float("nan"), float("nan")
+        rows_q, rows_k = 68, 93
+
+        def fn(q, k, v):
+            return tk.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 45, 52, causal=True, window_size=(20, -1))
+    else:
+        q = random_tensor((3, 45, heads, head_dim), dtype, device)
+        k = random_tensor((3, 52, kv_heads, head_dim), dtype, device)
+        v = random_tensor((3, 52, kv_heads, head_dim), dtype, device)
+        rows_q = rows_k = None
+
+        def fn(q, k, v):
+            return tk.flash_attn_func(q, k, v, causal=True)
+    dout = random_tensor(q.shape, dtype, device)
+    if varlen:
+        dout[68:] = float("nan")
+
+    tma_mode(False)
+    expected = _run(fn, q, k, v, dout)
+    tma_mode(True)
+    assert _fwd.use_tensor_descriptors((q, k, v), varlen)
+    got = _run(fn, q, k, v, dout)
+    for name, want, have, rows in zip(("out", "dq", "dk", "dv"), expected, got, (rows_q, rows_q, rows_k, rows_k)):
+        assert not torch.isnan(have[:rows]).any(), f"{name}: NaN from the padding rows reached real rows"
+        assert torch.equal(have[:rows], want[:rows]), f"{name}: TMA path differs from the pointer path"
+
+
+def test_tma_needs_aligned_strides(device, tma_mode):
+    tma_mode(True)
+    q = random_tensor((1, 8, 2, 20), torch.float16, device)   # row stride 40 bytes: not 16-byte aligned
+    assert not _fwd.use_tensor_descriptors((q, q, q), False)
+    padded = random_tensor((2, 8, 2, 32), torch.float16, device)[:, :, :, :24]  # last dim 24 of 32: aligned
+    assert _fwd.use_tensor_descriptors((padded, padded, padded), False)
+    gapped = random_tensor((2, 9, 2, 32), torch.float16, device)[:, :8]        # batch stride != S * row stride
+    assert not _fwd.use_tensor_descriptors((gapped, gapped, gapped), False)

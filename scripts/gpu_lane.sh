@@ -6,8 +6,10 @@
 #   scripts/gpu_lane.sh sweep                # launch-config sweep (SWEEP_SHAPES, SWEEP_BUDGET_S, SWEEP_ARGS)
 #   NPROC=4 scripts/gpu_lane.sh multigpu bench-dist  # tk.dist: tests on every visible GPU, then the torchrun benches on NPROC
 #   BENCH_ARGS="--shapes 8192x8192x8192" scripts/gpu_lane.sh bench
+#   TEST_PATHS=tests/attention CHECK_ARGS="--op flash_attn" scripts/gpu_lane.sh tests check bench-attn
 #
 # Steps: info, tests (pytest -m gpu), check (python -m tilekernels check), bench (gemm, --out $OUT),
+# bench-attn (flash_attn, --out $OUT),
 # sweep (gemm --sweep, --out $OUT). Every step runs even after another failed; the exit status is
 # non-zero if any did. Only a few files come back from the device machine, so everything goes to
 # ${OUT:-/tmp/out} as at most six: lane.log (every step's output), gemm.{json,txt,png} from bench and
@@ -58,10 +60,12 @@ for step in "${steps[@]}"; do
             fi
             ;;
         tests)
-            run_step tests "$PY" -m pytest -m gpu tests -q --maxfail=10 --durations=10 -p no:cacheprovider
+            # shellcheck disable=SC2086  # TEST_PATHS is a list of paths
+            run_step tests "$PY" -m pytest -m gpu ${TEST_PATHS:-tests} -q --maxfail=10 --durations=10 -p no:cacheprovider
             ;;
         check)
-            run_step check "$PY" -m tilekernels check
+            # shellcheck disable=SC2086  # CHECK_ARGS is a list of options
+            run_step check "$PY" -m tilekernels check $CHECK_ARGS
             ;;
         multigpu)
             run_step multigpu "$PY" -m pytest -m multigpu tests/dist -q --maxfail=10 --durations=10 -p no:cacheprovider
@@ -78,13 +82,17 @@ for step in "${steps[@]}"; do
             # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
             run_step bench "$PY" -m tilekernels bench gemm --out "$OUT" $BENCH_ARGS
             ;;
+        bench-attn)
+            # shellcheck disable=SC2086  # ATTN_BENCH_ARGS is a list of options
+            run_step bench-attn "$PY" -m tilekernels bench flash_attn --out "$OUT" $ATTN_BENCH_ARGS
+            ;;
         sweep)
             # shellcheck disable=SC2086
             run_step sweep "$PY" -m tilekernels bench gemm --sweep --out "$OUT" \
                 ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} --budget-s "${SWEEP_BUDGET_S:-420}" $SWEEP_ARGS
             ;;
         *)
-            echo "=== unknown step '$step' (steps: info tests check bench sweep multigpu bench-dist)" | tee -a "$LOG"
+            echo "=== unknown step '$step' (steps: info tests check bench bench-attn sweep multigpu bench-dist)" | tee -a "$LOG"
             failed+=("$step (unknown step)")
             ;;
     esac

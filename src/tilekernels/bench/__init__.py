@@ -33,6 +33,7 @@ OPS: dict[str, str] = {
     "gemm": "tilekernels.bench.gemm",
     "all_gather_matmul": "tilekernels.bench.dist:ALL_GATHER_MATMUL",
     "matmul_reduce_scatter": "tilekernels.bench.dist:MATMUL_REDUCE_SCATTER",
+    "flash_attn": "tilekernels.bench.attention",
 }
 
 

@@ -670,7 +670,8 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
     if device.type == "cuda":
         header.append(f"{'CUDA-graph replays (do_bench_cudagraph)' if opts.cuda_graph else 'eager calls'}; "
                       f"do_bench warmup {opts.warmup:g} ms, rep {opts.rep:g} ms; inputs rotate through >= 2x "
-                      f"L2 ({l2_bytes(device) / 2**20:.0f} MiB); TFLOP/s = 2*M*N*K / median time")
+                      f"L2 ({l2_bytes(device) / 2**20:.0f} MiB); TFLOP/s = "
+                      f"{getattr(op_module, 'FLOPS_FORMULA', '2*M*N*K')} / median time")
     else:
         header.append(INTERPRETER_WARNING)
     print("\n".join(header), flush=True)

@@ -1,4 +1,6 @@
-"""The TMA (tensor-descriptor) load path of the attention kernels against their pointer path.
+"""Alternative paths of the attention kernels against the default ones, bit for bit.
+
+TMA (tensor-descriptor) loads against pointer loads:
 
 On Hopper the kernels read q/k/v (forward), q/dO (dK/dV) and k/v (dQ) through descriptors over
 ``[rows, heads, D]``, where a block that runs past its sequence reads the next sequence's rows, or
@@ -6,15 +8,19 @@ padding. The interpreter runs descriptors too, so the CPU lane forces that path 
 (``_fwd.tma_mode = True``) and requires results bit-identical to the pointer path, with NaN in the
 padding rows past ``cu_seqlens[-1]`` (0 * NaN would leak into real rows if the masked blocks did not
 zero them).
+
+The dK/dV kernel split into one launch per gradient (head dim 256 on a GPU) against one launch.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import tilekernels as tk
-from tilekernels.attention import _fwd
+from tilekernels.attention import _bwd, _fwd
 from tilekernels.testing import random_tensor
 
 
@@ -79,3 +85,26 @@ def test_tma_needs_aligned_strides(device, tma_mode):
     assert _fwd.use_tensor_descriptors((padded, padded, padded), False)
     gapped = random_tensor((2, 9, 2, 32), torch.float16, device)[:, :8]        # batch stride != S * row stride
     assert not _fwd.use_tensor_descriptors((gapped, gapped, gapped), False)
+
+
+def test_split_dkdv_matches_one_launch(device):
+    """``BwdConfig.split_dkdv``: dK and dV from two launches equal the one-launch gradients exactly."""
+    q = random_tensor((2, 37, 4, 40), torch.bfloat16, device)
+    k = random_tensor((2, 53, 2, 40), torch.bfloat16, device)
+    v = random_tensor((2, 53, 2, 40), torch.bfloat16, device)
+    dout = random_tensor(q.shape, torch.bfloat16, device)
+
+    def fn(q, k, v):
+        return tk.flash_attn_func(q, k, v, causal=True, softcap=5.0, dropout_p=0.2)
+
+    dkdv_cfg, dq_cfg = _bwd.bwd_configs(40)
+    results = []
+    try:
+        for split in (False, True):
+            _bwd.config_override = (dataclasses.replace(dkdv_cfg, split_dkdv=split), dq_cfg)
+            torch.manual_seed(7)
+            results.append(_run(fn, q, k, v, dout))
+    finally:
+        _bwd.config_override = None
+    for name, one, two in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(one, two), f"{name}: split dK/dV launches differ from one launch"

@@ -30,20 +30,22 @@ import triton.language as tl
 from .._runtime import cast_for_store, cdiv, dot, ensure_cuda_context, is_interpreter
 from ._fwd import (
     FP32_PRECISION,
-    load_block,
-    row_descriptor,
-    seq_source,
-    use_tensor_descriptors,
     Problem,
     ceil_to,
     dropout_keep,
     floor_to,
     head_dim_pad,
+    head_options,
+    key_ranges,
+    load_block,
     load_rows,
     lse_strides,
+    row_descriptor,
     scores_log2,
     seq_bounds,
+    seq_source,
     seq_strides,
+    use_tensor_descriptors,
 )
 
 
@@ -166,12 +168,6 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, Alib
                       offs_tile, stride_vs, offs_d, seqlen_k - n0, HEAD_DIM, True, EVEN_D)
     else:
         v = k  # unused: the dV-only launch needs no dP
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SeedOffset)
-        rng_offset = tl.load(SeedOffset + 1)
-
     # query range [lo, hi) that may see any key of the block, and the unmasked middle
     diag = seqlen_k - seqlen_q
     lo = 0
@@ -206,10 +202,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, Alib
         do_src, _ = seq_source(DO, b, start_q, h, stride_dob, stride_dos, stride_doh, seqlen_q_batch,
                                IS_VARLEN, USE_TMA)
         row_base = b.to(tl.int64) * stride_lb + head * stride_lh + start_q.to(tl.int64)
-        slope_log2 = 0.0
-        if HAS_ALIBI:
-            slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * 1.4426950408889634
-        bh = b * num_heads + h
+        slope_log2, seed, rng_offset, bh = head_options(AlibiSlopes, SeedOffset, b, h, num_heads, stride_ab,
+                                                        HAS_ALIBI, HAS_DROPOUT)
         dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_row0, h, Lse + row_base, Delta + row_base,
                               stride_qs, stride_dos, offs_n, offs_m, offs_d, lo, mid_lo, seqlen_q, seqlen_k,
                               qk_scale_log2, softcap_log2, scale_over_cap, slope_log2, window_left,
@@ -314,29 +308,10 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, AlibiSlope
                                 USE_TMA)
     v_src, _ = seq_source(V, b, start_k, hk, stride_vb, stride_vs, stride_vh, seqlen_k_batch, IS_VARLEN,
                           USE_TMA)
-    slope_log2 = 0.0
-    if HAS_ALIBI:
-        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * 1.4426950408889634
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SeedOffset)
-        rng_offset = tl.load(SeedOffset + 1)
-    bh = b * num_heads + h
-
-    diag = seqlen_k - seqlen_q
-    lo = 0
-    hi = seqlen_k
-    full_lo = 0
-    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    if HAS_LEFT:
-        lo = floor_to(m0 + diag - window_left, BLOCK_N)
-        full_lo = ceil_to(m0 + BLOCK_M - 1 + diag - window_left, BLOCK_N)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, tl.maximum(m0 + BLOCK_M + diag + window_right, 0))
-        full_hi = tl.minimum(full_hi, floor_to(m0 + diag + window_right + 1, BLOCK_N))
-    mid_lo = tl.maximum(lo, tl.minimum(full_lo, hi))
-    mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, hi))
+    slope_log2, seed, rng_offset, bh = head_options(AlibiSlopes, SeedOffset, b, h, num_heads, stride_ab,
+                                                    HAS_ALIBI, HAS_DROPOUT)
+    lo, mid_lo, mid_hi, hi = key_ranges(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+                                        HAS_LEFT, HAS_RIGHT)
 
     dq = tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32)
     dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, kv_row0, hk, stride_ks, stride_vs, offs_m, offs_n,

@@ -32,8 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime import (cast_for_store, cdiv, dot, ensure_cuda_context, is_interpreter,
-                        supports_tensor_descriptors)
+from .._runtime import (
+    cast_for_store,
+    cdiv,
+    dot,
+    ensure_cuda_context,
+    is_interpreter,
+    supports_tensor_descriptors,
+)
 
 LOG2E = 1.4426950408889634
 # the operands are fp16/bf16: the fp32 switch of the shared dot helper never applies
@@ -164,6 +170,42 @@ def load_block(src, row0, block_start, head, offs_row, stride_row, offs_d, row_l
     return x
 
 
+@triton.jit
+def key_ranges(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key blocks for query rows ``[m0, m0 + BLOCK_M)``: (lo, mid_lo, mid_hi, hi), where ``[lo, hi)`` is
+    every key any of the rows may see and ``[mid_lo, mid_hi)`` the blocks no mask edge cuts."""
+    diag = seqlen_k - seqlen_q
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = floor_to(m0 + diag - window_left, BLOCK_N)
+        full_lo = ceil_to(m0 + BLOCK_M - 1 + diag - window_left, BLOCK_N)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.maximum(m0 + BLOCK_M + diag + window_right, 0))
+        full_hi = tl.minimum(full_hi, floor_to(m0 + diag + window_right + 1, BLOCK_N))
+    mid_lo = tl.maximum(lo, tl.minimum(full_lo, hi))
+    mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, hi))
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def head_options(AlibiSlopes, SeedOffset, b, h, num_heads, stride_ab, HAS_ALIBI: tl.constexpr,
+                 HAS_DROPOUT: tl.constexpr):
+    """(ALiBi slope in log2 units, dropout seed, dropout offset, b * H + h) of one (sequence, head)."""
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * 1.4426950408889634
+    seed = 0
+    rng_offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SeedOffset)
+        rng_offset = tl.load(SeedOffset + 1)
+    return slope_log2, seed, rng_offset, b * num_heads + h
+
+
 # ----------------------------------------------------------------------------------------------------
 # the forward kernel
 
@@ -253,30 +295,10 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, AlibiSlopes, SeedOffset
     q = load_block(q_src, q_row0, m0, h, offs_tile, stride_qs, offs_d, seqlen_q - m0, HEAD_DIM, HEAD_DIM_PAD,
                    BLOCK_M, True, EVEN_D, USE_TMA)
 
-    slope_log2 = 0.0
-    if HAS_ALIBI:
-        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * 1.4426950408889634
-    seed = 0
-    rng_offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(SeedOffset)
-        rng_offset = tl.load(SeedOffset + 1)
-    bh = b * num_heads + h
-
-    # key range [lo, hi) any row of the block may see, and the unmasked middle [full_lo, full_hi)
-    diag = seqlen_k - seqlen_q
-    lo = 0
-    hi = seqlen_k
-    full_lo = 0
-    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    if HAS_LEFT:
-        lo = floor_to(m0 + diag - window_left, BLOCK_N)
-        full_lo = ceil_to(m0 + BLOCK_M - 1 + diag - window_left, BLOCK_N)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, tl.maximum(m0 + BLOCK_M + diag + window_right, 0))
-        full_hi = tl.minimum(full_hi, floor_to(m0 + diag + window_right + 1, BLOCK_N))
-    mid_lo = tl.maximum(lo, tl.minimum(full_lo, hi))
-    mid_hi = tl.maximum(mid_lo, tl.minimum(full_hi, hi))
+    slope_log2, seed, rng_offset, bh = head_options(AlibiSlopes, SeedOffset, b, h, num_heads, stride_ab,
+                                                    HAS_ALIBI, HAS_DROPOUT)
+    lo, mid_lo, mid_hi, hi = key_ranges(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+                                        HAS_LEFT, HAS_RIGHT)
 
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)

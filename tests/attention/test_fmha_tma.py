@@ -108,3 +108,15 @@ def test_split_dkdv_matches_one_launch(device):
         _bwd.config_override = None
     for name, one, two in zip(("out", "dq", "dk", "dv"), *results):
         assert torch.equal(one, two), f"{name}: split dK/dV launches differ from one launch"
+
+
+def test_tma_skips_empty_operands(device, tma_mode):
+    """Batch mode allows S_k = 0; a descriptor over a zero-sized dimension is invalid, so such a call
+    takes the pointer path (every row sees no key: out 0, LSE +inf)."""
+    tma_mode(None if device.type == "cuda" else True)
+    q = random_tensor((2, 5, 2, 32), torch.float16, device)
+    k = torch.empty((2, 0, 2, 32), dtype=torch.float16, device=device)
+    assert not _fwd.use_tensor_descriptors((q, k, k), False)
+    out, lse, _ = tk.flash_attn_func(q, k, k, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert bool((lse == float("inf")).all())

@@ -473,14 +473,15 @@ def _flat_rows(t: torch.Tensor, varlen: bool) -> bool:
 
 
 def use_tensor_descriptors(tensors, varlen: bool) -> bool:
-    """TMA loads for these operands: Hopper or newer, 16-byte aligned bases and row/head strides,
-    rows that flatten (see ``_flat_rows``); the pointer path takes everything else."""
+    """TMA loads for these operands: Hopper or newer, non-empty, 16-byte aligned bases and row/head
+    strides, rows that flatten (see ``_flat_rows``); the pointer path takes everything else."""
     if tma_mode is False:
         return False
     if tma_mode is None and not (tensors[0].is_cuda and supports_tensor_descriptors(tensors[0].device)):
         return False
     esize = tensors[0].element_size()
-    return all(t.data_ptr() % 16 == 0 and (t.stride(-3) * esize) % 16 == 0
+    # a descriptor needs every dimension >= 1 (batch mode allows S_k = 0)
+    return all(t.numel() > 0 and t.data_ptr() % 16 == 0 and (t.stride(-3) * esize) % 16 == 0
                and (t.stride(-2) * esize) % 16 == 0
                and t.shape[-1] * esize >= 16 and _flat_rows(t, varlen) for t in tensors)
 

@@ -319,7 +319,11 @@ def exception_text(exc: BaseException) -> str:
         text += " ... " + lines[-1]
     if len(text) > 400:
         text = text[:400] + "..."
-    return f"{type(exc).__name__}: {text}"
+    text = f"{type(exc).__name__}: {text}"
+    # triton's CompilationError names the call site; the reason is in the exception it was raised from
+    if exc.__cause__ is not None and exc.__cause__ is not exc:
+        text += f" (caused by {exception_text(exc.__cause__)})"
+    return text
 
 
 def _recover(device: torch.device) -> None:

@@ -376,6 +376,28 @@ def test_varlen(case, device):
     check_case(case, device)
 
 
+def test_varlen_rows_past_the_last_sequence(device):
+    """Rows of q/k/v past cu_seqlens[-1] (a buffer sized for more tokens, here holding NaN) belong to no
+    sequence: their output is 0 with LSE +inf and their gradients are 0, and they leak into nothing."""
+    cu_q = torch.tensor([0, 7, 20], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 11, 16], dtype=torch.int32, device=device)
+    q = random_tensor((26, 2, 32), torch.float16, device)
+    k = random_tensor((21, 1, 32), torch.float16, device)
+    v = random_tensor((21, 1, 32), torch.float16, device)
+    q[20:], k[16:], v[16:] = float("nan"), float("nan"), float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse, _ = tk.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 13, 11, causal=True, return_attn_probs=True)
+    dout = random_tensor(out.shape, torch.float16, device)
+    dout[20:] = float("nan")
+    out.backward(dout)
+    assert not torch.isnan(out[:20]).any() and not torch.isnan(lse[:, :20]).any()
+    assert torch.equal(out[20:], torch.zeros_like(out[20:]))
+    assert bool((lse[:, 20:] == float("inf")).all())
+    for name, grad, real in (("dq", q.grad, 20), ("dk", k.grad, 16), ("dv", v.grad, 16)):
+        assert not torch.isnan(grad[:real]).any(), f"{name}: NaN from the padding rows reached real rows"
+        assert torch.equal(grad[real:], torch.zeros_like(grad[real:])), f"{name}: padding rows not zero"
+
+
 def test_varlen_zero_length_sequences(device):
     """A sequence with no keys gives out 0 and lse +inf; one with no queries leaves its keys' dk, dv 0."""
     case = varlen_case((7, 0, 9), (11, 13, 0), 2, 1, 32, causal=False)

@@ -499,10 +499,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             prob: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for checked inputs (last dim contiguous)."""
     varlen = prob.is_varlen
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if varlen:
-        lse = torch.empty((prob.num_heads, q.shape[0]), dtype=torch.float32, device=q.device)
+        # rows past cu_seqlens_q[-1] (a buffer sized for more tokens) belong to no sequence and no
+        # program writes them: they read as rows that see no key (0 and +inf), not as garbage
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.full((prob.num_heads, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
     else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((prob.batch, prob.num_heads, q.shape[1]), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         lse.fill_(float("inf"))

@@ -246,7 +246,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequence may be empty. ``max_seqlen_q`` / ``max_seqlen_k`` are host ints bounding every length; they
     size the grid and are not checked against ``cu_seqlens`` (that would read the device), so a
     sequence longer than its bound is computed only up to the bound. Returns out ``[total_q, H, D]``, or
-    ``(out, lse, None)`` with lse ``[H, total_q]``. Options as ``flash_attn_func``; causal and windows
+    ``(out, lse, None)`` with lse ``[H, total_q]``. Rows past the last sequence (a buffer sized for more
+    tokens) belong to none: out 0, lse ``+inf``, zero gradients. Options as ``flash_attn_func``; causal and windows
     are aligned per sequence. No host synchronisation in forward or backward: both can be captured in
     one CUDA graph and replayed with other lengths of the same totals.
     """

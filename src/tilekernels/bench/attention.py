@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..testing import Comparison, compare, random_tensor
 from .check import CheckCase
-from .harness import OURS, Accuracy, BenchCase, UsageError, dtype_name, parse_shapes
+from .harness import OURS, Accuracy, BenchCase, UsageError, dtype_name, parse_dims, shape_items
 
 NAME = "flash_attn"
 ANCHOR_PROVIDER = "cudnn"
@@ -125,22 +125,16 @@ def parse_attention_shapes(text: str, causal: str = "both") -> list[dict]:
     if causal not in masks_for:
         raise UsageError(f"--causal: {causal!r}; choose from both, yes, no")
     shapes = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        parts = item.lower().replace("×", "x").split("x")
+    for item, parts in shape_items(text):
         masks = masks_for[causal]
         if parts[-1] in MASKS:
             masks = (parts.pop(),)
         try:
-            (dims,) = parse_shapes("x".join(parts), names=DIMS)
+            dims = parse_dims(item, parts, DIMS)
         except UsageError:
             raise UsageError(f"shape {item!r}: expected BxHxSxD (4 positive integers joined by 'x'), "
                              f"optionally followed by x{'|x'.join(MASKS)}, e.g. 4x16x4096x128xcausal") from None
         shapes += [{**dims, "mask": mask} for mask in masks]
-    if not shapes:
-        raise UsageError(f"no shapes in {text!r}")
     return shapes
 
 

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from ..testing import compare
+from . import harness
 from .harness import (
     INTERPRETER_WARNING,
     NO_MATPLOTLIB,
@@ -174,24 +175,7 @@ def add_arguments(parser) -> None:
 
 def parse_shapes(text: str) -> list[dict]:
     """``"4096x3584,64x48x80"`` -> ``[{"M": 4096, "N": 3584, "K": 8192}, {"M": 64, "N": 48, "K": 80}]``."""
-    shapes = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        parts = item.lower().replace("×", "x").split("x")
-        try:
-            values = [int(p) for p in parts]
-        except ValueError:
-            values = []
-        if len(values) not in (2, 3) or any(v < 1 for v in values):
-            raise UsageError(f"shape {item!r}: expected MxN (K = {DEFAULT_K}) or MxNxK, positive integers")
-        if len(values) == 2:
-            values.append(DEFAULT_K)
-        shapes.append(dict(zip("MNK", values)))
-    if not shapes:
-        raise UsageError(f"no shapes in {text!r}")
-    return shapes
+    return harness.parse_shapes(text, names=("M", "N", "K"), defaults={"K": DEFAULT_K})
 
 
 def shape_problem(op: str, shape: dict, world: int) -> str | None:

@@ -78,25 +78,44 @@ def parse_dtype(text: str) -> torch.dtype:
     return DTYPES[text]
 
 
-def parse_shapes(text: str, names: Sequence[str] = ("M", "N", "K")) -> list[dict]:
-    """``"8192x8192x8192,16x8192x8192"`` -> ``[{"M": 8192, "N": 8192, "K": 8192}, ...]``."""
-    shapes = []
+def shape_items(text: str) -> list[tuple[str, list[str]]]:
+    """The comma-separated items of a ``--shapes`` value, each as (item as given, its lower-cased
+    'x'-separated parts); ``UsageError`` when there are none."""
+    items = []
     for item in text.split(","):
         item = item.strip()
-        if not item:
-            continue
-        parts = item.lower().replace("×", "x").split("x")
-        try:
-            values = [int(p) for p in parts]
-        except ValueError:
-            values = []
-        if len(values) != len(names) or any(v < 1 for v in values):
-            raise UsageError(f"shape {item!r}: expected {len(names)} positive integers joined by 'x' "
-                             f"({'x'.join(names)}), e.g. {'x'.join(['64'] * len(names))}")
-        shapes.append(dict(zip(names, values)))
-    if not shapes:
+        if item:
+            items.append((item, item.lower().replace("×", "x").split("x")))
+    if not items:
         raise UsageError(f"no shapes in {text!r}")
-    return shapes
+    return items
+
+
+def parse_dims(item: str, parts: Sequence[str], names: Sequence[str], defaults: dict | None = None) -> dict:
+    """``parts`` as positive integers named ``names``; trailing names in ``defaults`` may be left out."""
+    defaults = defaults or {}
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    fewest = len(names) - len(defaults)
+    if not fewest <= len(values) <= len(names) or any(v < 1 for v in values):
+        if defaults:
+            given = ", ".join(f"{n} = {v}" for n, v in defaults.items())
+            raise UsageError(f"shape {item!r}: expected {'x'.join(names[:fewest])} ({given}) or "
+                             f"{'x'.join(names)}, positive integers")
+        raise UsageError(f"shape {item!r}: expected {len(names)} positive integers joined by 'x' "
+                         f"({'x'.join(names)}), e.g. {'x'.join(['64'] * len(names))}")
+    dims = dict(zip(names, values))
+    for name in names[len(values):]:
+        dims[name] = defaults[name]
+    return dims
+
+
+def parse_shapes(text: str, names: Sequence[str] = ("M", "N", "K"), defaults: dict | None = None) -> list[dict]:
+    """``"8192x8192x8192,16x8192x8192"`` -> ``[{"M": 8192, "N": 8192, "K": 8192}, ...]``; with
+    ``defaults={"K": 8192}``, ``"4096x3584"`` is ``{"M": 4096, "N": 3584, "K": 8192}``."""
+    return [parse_dims(item, parts, names, defaults) for item, parts in shape_items(text)]
 
 
 def shape_label(shape: dict) -> str:

@@ -279,3 +279,19 @@ def test_bench_gemm_sweep_command(tmp_path):
     swept = [r for r in rows if "config_fields" in r]
     assert swept and all(r["mode"] == "sweep" for r in rows)
     assert "best config per shape class" in result.stdout
+
+
+def test_plot_panels_draws_one_panel_per_key(tmp_path):
+    """The shared figure plumbing of the gemm and dist plots: one panel per key, the PNG written."""
+    pytest.importorskip("matplotlib")
+    rows = [{"variant": v, "provider": p, "p50": 1.0} for v in ("fwd", "bwd") for p in ("a", "b")]
+    drawn = []
+
+    def draw(ax, panel, group):
+        drawn.append((panel, len(group)))
+        ax.bar(range(len(group)), [r["p50"] for r in group])
+
+    path = tmp_path / "plot.png"
+    assert harness.plot_panels(rows, lambda r: (r["variant"],), draw, path, "t") == f"wrote {path}"
+    assert drawn == [(("fwd",), 2), (("bwd",), 2)] and path.stat().st_size > 0
+    assert harness.plot_panels([], lambda r: (), draw, tmp_path / "none.png", "t") == "no rows: PNG skipped"

@@ -65,7 +65,6 @@ from ..testing import compare
 from . import harness
 from .harness import (
     INTERPRETER_WARNING,
-    NO_MATPLOTLIB,
     Accuracy,
     Run,
     UsageError,
@@ -77,7 +76,6 @@ from .harness import (
     format_value,
     geomean,
     l2_bytes,
-    pyplot,
     read_rows,
     rotation_count,
     write_rows,
@@ -759,16 +757,9 @@ def report_rows(rows: Sequence[dict], markdown: bool = False, interpreter_note: 
 
 def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
     """Speedup over nccl+cublas per shape and provider (bars) with the overlap limit (black tick)."""
-    plt = pyplot()
-    if plt is None:
-        return NO_MATPLOTLIB
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["variant"], r["dtype"]), []).append(r)
-    if not groups:
-        return "no rows: PNG skipped"
-    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 3.8 * len(groups)), squeeze=False)
-    for ax, ((op, variant, dtype), group) in zip(axes[:, 0], groups.items()):
+
+    def draw(ax, panel, group):
+        op, variant, dtype = panel
         cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
         shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
         providers = [p for p in _ordered(r["provider"] for r in group) if p not in REFERENCE_ONLY]
@@ -793,11 +784,9 @@ def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
         ax.set_ylabel(f"speedup vs {BASELINE}")
         ax.set_title(f"{op} · {variant} · {dtype}", fontsize=10)
         ax.legend(fontsize=7, ncol=4)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+
+    return harness.plot_panels(rows, lambda r: (r["op"], r["variant"], r["dtype"]), draw, path, title,
+                               width=12, panel_height=3.8)
 
 
 # ----------------------------------------------------------------------------------------------------

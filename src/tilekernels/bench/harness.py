@@ -594,18 +594,33 @@ def pyplot():
     return plt
 
 
-def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
-    """Bar chart of TFLOP/s per shape and provider, one panel per table; returns what happened."""
+def plot_panels(rows: Sequence[dict], key: Callable[[dict], tuple], draw: Callable, path: pathlib.Path, title: str,
+                width: float = 11, panel_height: float = 3.6) -> str:
+    """A PNG with one panel per distinct ``key(row)``, filled by ``draw(ax, key, rows_of_panel)``;
+    returns what happened (written, or why not)."""
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["variant"], r["dtype"], r["layout"]), []).append(r)
+        groups.setdefault(key(r), []).append(r)
     if not groups:
         return "no rows: PNG skipped"
-    fig, axes = plt.subplots(len(groups), 1, figsize=(11, 3.6 * len(groups)), squeeze=False)
-    for ax, ((variant, dtype, layout), group) in zip(axes[:, 0], groups.items()):
+    fig, axes = plt.subplots(len(groups), 1, figsize=(width, panel_height * len(groups)), squeeze=False)
+    for ax, (panel, group) in zip(axes[:, 0], groups.items()):
+        draw(ax, panel, group)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
+    """Bar chart of TFLOP/s per shape and provider, one panel per table; returns what happened."""
+
+    def draw(ax, panel, group):
+        variant, dtype, layout = panel
         providers = list(dict.fromkeys(r["provider"] for r in group))
         shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
         cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
@@ -621,11 +636,8 @@ def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
         ax.set_ylabel("TFLOP/s (p20-p50-p80)")
         ax.set_title(f"{variant} · {dtype} · {layout}", fontsize=10)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return f"wrote {path}"
+
+    return plot_panels(rows, lambda r: (r["variant"], r["dtype"], r["layout"]), draw, path, title)
 
 
 def write_outputs(out_dir: pathlib.Path, stem: str, rows: Sequence[dict], text: str, title: str,

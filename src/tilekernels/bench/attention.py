@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..testing import Comparison, compare, random_tensor
 from .check import CheckCase
-from .harness import OURS, Accuracy, BenchCase, UsageError, dtype_name, parse_dims, shape_items
+from .harness import OURS, Accuracy, BenchCase, UsageError, device_random, dtype_name, parse_dims, shape_items
 
 NAME = "flash_attn"
 ANCHOR_PROVIDER = "cudnn"
@@ -271,12 +271,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default both)")
 
 
-def _random(shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    """Standard-normal values made on the device (host generation of GiB-sized operands would dominate)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(tuple(shape), generator=gen, device=device, dtype=dtype)
-
-
 def _case(shape: dict, variant: str, dtype: torch.dtype, device: torch.device, seed: int,
           providers: tuple[str, ...]) -> BenchCase:
     B, H, S, D = (shape[d] for d in DIMS)
@@ -288,9 +282,10 @@ def _case(shape: dict, variant: str, dtype: torch.dtype, device: torch.device, s
 
     def make_inputs(i: int) -> dict:
         base = 1000 * seed + 10 * i
-        x = {name: _random((B, S, H, D), dtype, device, base + j) for j, name in enumerate(("q", "k", "v"))}
+        x = {name: device_random((B, S, H, D), dtype, device, base + j)
+             for j, name in enumerate(("q", "k", "v"))}
         if backward:
-            x["dout"] = _random((B, S, H, D), dtype, device, base + 3)
+            x["dout"] = device_random((B, S, H, D), dtype, device, base + 3)
         return x
 
     fns = {}

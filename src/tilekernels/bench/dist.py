@@ -70,6 +70,7 @@ from .harness import (
     UsageError,
     append_rows,
     default_results_dir,
+    device_random,
     dtype_name,
     exception_text,
     format_table,
@@ -270,11 +271,6 @@ def rendezvous(ctx: Context) -> None:
 # inputs, providers and checks
 
 
-def _random(shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(tuple(shape), generator=gen, device=device, dtype=dtype)
-
-
 def _sample(n: int, seed: int) -> torch.Tensor:
     """Edge rows/columns (the last tiles) plus random ones: the same on every rank (a CPU generator)."""
     if n <= 2 * SAMPLE_EDGE + SAMPLE_RANDOM:
@@ -395,17 +391,17 @@ def build_case(ctx: Context, shape: dict, providers: list[Provider]) -> Case:
     def make(i: int) -> dict:
         base = seed + 101 * i
         if ctx.op == ALL_GATHER:
-            x = {"a_shard": _random((M // w, K), dtype, ctx.device, base),
-                 "b": _random((K, N), dtype, ctx.device, base + 1)}
+            x = {"a_shard": device_random((M // w, K), dtype, ctx.device, base),
+                 "b": device_random((K, N), dtype, ctx.device, base + 1)}
             if MATMUL in names:
-                x["a_full"] = _random((M, K), dtype, ctx.device, base + 2)
+                x["a_full"] = device_random((M, K), dtype, ctx.device, base + 2)
             if TORCH_NATIVE in names:
                 x.update(_symmetric_copy(x["a_shard"]))
         else:
-            x = {"a": _random((M, K // w), dtype, ctx.device, base),
-                 "b": _random((K // w, N), dtype, ctx.device, base + 1)}
+            x = {"a": device_random((M, K // w), dtype, ctx.device, base),
+                 "b": device_random((K // w, N), dtype, ctx.device, base + 1)}
             if COMM in names:
-                x["c_full"] = _random((M, N), dtype, ctx.device, base + 2)
+                x["c_full"] = device_random((M, N), dtype, ctx.device, base + 2)
         return x
 
     return Case(ctx.op, dict(shape), dtype, [make(i) for i in range(count)], providers)

@@ -42,6 +42,7 @@ from .harness import (
     Run,
     UsageError,
     build_inputs,
+    device_random,
     dtype_name,
     format_table,
     format_value,
@@ -109,20 +110,10 @@ def anchor(row: dict):
 # inputs
 
 
-def _random(shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
-    """Random values made on the device (host generation of GiB-sized operands would dominate)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    if dtype == torch.int8:
-        return torch.randint(-8, 8, tuple(shape), generator=gen, device=device, dtype=torch.int8)
-    if dtype.itemsize == 1:
-        return torch.randn(tuple(shape), generator=gen, device=device).to(dtype)
-    return torch.randn(tuple(shape), generator=gen, device=device, dtype=dtype)
-
-
 def _matrix(rows: int, cols: int, dtype, device, column_major: bool, seed: int) -> torch.Tensor:
     if column_major:
-        return _random((cols, rows), dtype, device, seed).t()
-    return _random((rows, cols), dtype, device, seed)
+        return device_random((cols, rows), dtype, device, seed).t()
+    return device_random((rows, cols), dtype, device, seed)
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -284,8 +275,8 @@ def _case(shape: dict, dtype: torch.dtype, layout: str, device: torch.device, se
         x = {"a": _matrix(M, K, dtype, device, layout[0] == "C", base),
              "b": _matrix(K, N, dtype, device, layout[1] == "C", base + 1)}
         if epilogue:
-            x["bias"] = _random((N,), out_dtype, device, base + 2)
-            x["residual"] = _random((M, N), out_dtype, device, base + 3)
+            x["bias"] = device_random((N,), out_dtype, device, base + 2)
+            x["residual"] = device_random((M, N), out_dtype, device, base + 3)
         if async_input:
             x["signals"] = torch.ones(ASYNC_CHUNKS, dtype=torch.uint32, device=device)
         if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

@@ -78,6 +78,18 @@ def parse_dtype(text: str) -> torch.dtype:
     return DTYPES[text]
 
 
+def device_random(shape, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    """Benchmark inputs made on the device from ``seed`` (host generation and a copy of GiB-sized
+    operands would dominate a run): standard normal, integers in [-8, 8) for int8, fp8 rounded from
+    fp32 normals. Never all zeros."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if dtype == torch.int8:
+        return torch.randint(-8, 8, tuple(shape), generator=gen, device=device, dtype=torch.int8)
+    if dtype.itemsize == 1:
+        return torch.randn(tuple(shape), generator=gen, device=device).to(dtype)
+    return torch.randn(tuple(shape), generator=gen, device=device, dtype=dtype)
+
+
 def shape_items(text: str) -> list[tuple[str, list[str]]]:
     """The comma-separated items of a ``--shapes`` value, each as (item as given, its lower-cased
     'x'-separated parts); ``UsageError`` when there are none."""

@@ -206,6 +206,44 @@ def head_options(AlibiSlopes, SeedOffset, b, h, num_heads, stride_ab, HAS_ALIBI:
     return slope_log2, seed, rng_offset, b * num_heads + h
 
 
+@triton.jit
+def softmax_step(acc, m_i, l_i, qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale_log2, softcap_log2,
+                 scale_over_cap, slope_log2, window_left, window_right, MASKED: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr):
+    """One key block of the online softmax: ``(p, acc, m_new, l_i)``, where ``p`` is the block's
+    unnormalised probabilities (base-2 exponent against ``m_new``), ``acc`` the accumulator rescaled to
+    ``m_new`` (the caller adds ``p @ v``) and ``l_i`` the updated row sums."""
+    if MASKED or HAS_SOFTCAP or HAS_ALIBI:
+        s, _ = scores_log2(qk, q_idx, k_idx, seqlen_q, seqlen_k, qk_scale_log2, softcap_log2, scale_over_cap,
+                           slope_log2, window_left, window_right, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                           HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row with nothing allowed yet keeps m = -inf; subtract 0 instead (exp2(-inf) = 0, not NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+    else:
+        # plain scores: scale once inside one FMA per element (the scale is > 0, so max commutes)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
+        m_use = m_new
+        p = tl.math.exp2(qk * qk_scale_log2 - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, acc, m_new, l_i
+
+
+@triton.jit
+def normalize(acc, m_i, l_i, empty_lse):
+    """(out, lse in natural log) of a finished online softmax; a row that saw no key gets out 0 and
+    lse ``empty_lse``."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, empty_lse, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    return out, lse
+
+
 # ----------------------------------------------------------------------------------------------------
 # the forward kernel
 
@@ -228,22 +266,9 @@ def _fwd_blocks(acc, m_i, l_i, q, k_src, v_src, kv_row0, hk, stride_ks, stride_v
         # [BM, D] @ [D, BN] -> [BM, BN]
         qk = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), FP32_PRECISION)
         k_idx = n0 + offs_n
-        if MASKED or HAS_SOFTCAP or HAS_ALIBI:
-            s, _ = scores_log2(qk, offs_m[:, None], k_idx[None, :], seqlen_q, seqlen_k, qk_scale_log2,
-                               softcap_log2, scale_over_cap, slope_log2, window_left, window_right,
-                               MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # a row with nothing allowed yet keeps m = -inf; subtract 0 instead (exp2(-inf) = 0, not NaN)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_use[:, None])
-        else:
-            # plain scores: scale once inside one FMA per element (the scale is > 0, so max commutes)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
-            m_use = m_new
-            p = tl.math.exp2(qk * qk_scale_log2 - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, acc, m_new, l_i = softmax_step(acc, m_i, l_i, qk, offs_m[:, None], k_idx[None, :], seqlen_q, seqlen_k,
+                                          qk_scale_log2, softcap_log2, scale_over_cap, slope_log2, window_left,
+                                          window_right, MASKED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
         if HAS_DROPOUT:
             keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], k_idx[None, :], dropout_p)
             p = tl.where(keep, p, 0.0)
@@ -319,12 +344,9 @@ def _attn_fwd(Q, K, V, Out, Lse, CuSeqlensQ, CuSeqlensK, AlibiSlopes, SeedOffset
                                 dropout_p, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, BLOCK_N, True, HAS_LEFT,
                                 HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, EVEN_D, USE_TMA)
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out, lse = normalize(acc, m_i, l_i, float("inf"))
     if HAS_DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     row_ok = offs_tile < seqlen_q - m0
     o_ptrs = o_base + offs_tile[:, None] * stride_os + offs_d[None, :]
     tl.store(o_ptrs, cast_for_store(out, Out.dtype.element_ty),

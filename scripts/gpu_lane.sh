@@ -9,7 +9,7 @@
 #   TEST_PATHS=tests/attention CHECK_ARGS="--op flash_attn" scripts/gpu_lane.sh tests check bench-attn
 #
 # Steps: info, tests (pytest -m gpu), check (python -m tilekernels check), bench (gemm, --out $OUT),
-# bench-attn (flash_attn, --out $OUT),
+# bench-attn (flash_attn, --out $OUT), bench-paged (batch_prefill then batch_decode, --out $OUT),
 # sweep (gemm --sweep, --out $OUT). Every step runs even after another failed; the exit status is
 # non-zero if any did. Only a few files come back from the device machine, so everything goes to
 # ${OUT:-/tmp/out} as at most six: lane.log (every step's output), gemm.{json,txt,png} from bench and
@@ -86,13 +86,19 @@ for step in "${steps[@]}"; do
             # shellcheck disable=SC2086  # ATTN_BENCH_ARGS is a list of options
             run_step bench-attn "$PY" -m tilekernels bench flash_attn --out "$OUT" $ATTN_BENCH_ARGS
             ;;
+        bench-paged)
+            # shellcheck disable=SC2086  # PAGED_BENCH_ARGS is a list of options
+            run_step bench-prefill "$PY" -m tilekernels bench batch_prefill --out "$OUT" $PAGED_BENCH_ARGS
+            # shellcheck disable=SC2086
+            run_step bench-decode "$PY" -m tilekernels bench batch_decode --out "$OUT" $PAGED_BENCH_ARGS
+            ;;
         sweep)
             # shellcheck disable=SC2086
             run_step sweep "$PY" -m tilekernels bench gemm --sweep --out "$OUT" \
                 ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} --budget-s "${SWEEP_BUDGET_S:-420}" $SWEEP_ARGS
             ;;
         *)
-            echo "=== unknown step '$step' (steps: info tests check bench bench-attn sweep multigpu bench-dist)" | tee -a "$LOG"
+            echo "=== unknown step '$step' (steps: info tests check bench bench-attn bench-paged sweep multigpu bench-dist)" | tee -a "$LOG"
             failed+=("$step (unknown step)")
             ;;
     esac

@@ -16,11 +16,15 @@ provides:
   (ANCHORS.md) for the row's shape, compared in tables; ``ANCHOR_PROVIDER`` names the provider that
   figure was measured for.
 - optional ``run_bench(opts, device) -> int``: replaces the harness's single-process timing (the
-  tk.dist ops time across ranks under torchrun), and ``report_rows(rows, markdown)``: the op's own
-  tables, used by ``RESULTS.md`` too.
+  tk.dist ops time across ranks under torchrun).
+- optional ``report_rows(rows, markdown=False, interpreter_note=True)``: the op's own tables, printed
+  by ``bench`` and used by ``RESULTS.md`` (the paged ops add their goals and bandwidth floor to the
+  harness's tables).
+- optional ``METRIC``: ``"tflops"`` (default) or ``"tbps"`` for the header; each ``BenchCase`` says
+  its own ``metric``, which its rows, tables and plots show.
 
 An entry ``"module:ATTRIBUTE"`` names an object in a module that provides the above, for op families
-that share one bench module (``bench/dist.py``).
+that share one bench module (``bench/dist.py``, ``bench/paged.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ OPS: dict[str, str] = {
     "all_gather_matmul": "tilekernels.bench.dist:ALL_GATHER_MATMUL",
     "matmul_reduce_scatter": "tilekernels.bench.dist:MATMUL_REDUCE_SCATTER",
     "flash_attn": "tilekernels.bench.attention",
+    "batch_prefill": "tilekernels.bench.paged:BATCH_PREFILL",
+    "batch_decode": "tilekernels.bench.paged:BATCH_DECODE",
 }
 
 

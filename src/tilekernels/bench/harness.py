@@ -11,8 +11,10 @@ How a number is made (``run_case``):
    call taking the next input set. (Same signature in triton 3.6 and 3.9.)
 4. One long-format row per (case, provider): ``{op, provider, shape, dtype, layout, variant, metric,
    p20, p50, p80, ms, gpu, torch, triton, tilekernels, commit, date, config, mode, run_id, ...}``.
-   ``p20/p50/p80`` are quantiles of the metric (TFLOP/s), so p20 comes from the *slower* 80th
-   percentile time; ``ms`` is the median time.
+   ``p20/p50/p80`` are quantiles of the metric, so p20 comes from the *slower* 80th percentile time;
+   ``ms`` is the median time. The metric is the case's: ``tflops`` (TFLOP/s, compute-bound ops) or
+   ``tbps`` (TB/s, memory-bound ops such as decode attention), its work per call divided by the time;
+   a case may add fields of its own to its rows (e.g. a bandwidth floor).
 
 Under the CPU interpreter the same path runs end to end at tiny shapes, timed with a wall clock: the
 figures then measure Python interpreting the kernel and say nothing about performance; every table
@@ -60,9 +62,17 @@ FALLBACK_L2_BYTES = 60 * 2**20
 ROTATION_MEMORY_FRACTION = 0.25
 MAX_ROTATION = 64
 
+# A case's metric -> the unit its rows, tables and plots show: work per call (FLOPs or bytes) / 1e12 / s.
+METRIC_UNITS = {"tflops": "TFLOP/s", "tbps": "TB/s"}
+
 
 class UsageError(ValueError):
     """A bad command-line value (shape, variant, ...): reported as a usage error, not a traceback."""
+
+
+def metric_unit(metric: str | None) -> str:
+    """The unit a row's ``metric`` is shown in (rows written before there was a choice are TFLOP/s)."""
+    return METRIC_UNITS.get(metric or "tflops", metric or "tflops")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -240,7 +250,9 @@ class BenchCase:
 
     ``make_inputs(i)`` builds input set ``i`` on the device; every provider takes one set (a dict) and
     returns the op's output. ``check(inputs, output, provider)`` compares an output with the reference.
-    ``flops`` is the work per call that the metric divides by; ``set_bytes`` sizes the rotation.
+    ``flops`` is the work per call that the metric divides by: FLOPs for ``metric="tflops"``, bytes
+    moved for ``"tbps"``. ``set_bytes`` sizes the rotation. ``row_extra(row)``, if given, returns fields
+    to add to each of the case's rows once it is measured.
     """
 
     op: str
@@ -254,6 +266,8 @@ class BenchCase:
     providers: dict[str, Callable[[dict], torch.Tensor]]
     check: Callable[[dict, torch.Tensor, str], Accuracy]
     configs: dict[str, str] = dataclasses.field(default_factory=dict)
+    metric: str = "tflops"
+    row_extra: Callable[[dict], dict] | None = None
 
     def label(self) -> str:
         return f"{self.op} {shape_label(self.shape)} {self.variant} {dtype_name(self.dtype)} {self.layout}"
@@ -316,7 +330,7 @@ class Run:
     def row(self, case: BenchCase, provider: str, times: Sequence[float], config: str,
             accuracy: Accuracy) -> dict:
         ms20, ms50, ms80 = times
-        tflops = [case.flops / (t * 1e-3) / 1e12 for t in (ms80, ms50, ms20)]
+        rates = [case.flops / (t * 1e-3) / 1e12 for t in (ms80, ms50, ms20)]
         row = {
             "op": case.op,
             "provider": provider,
@@ -324,10 +338,10 @@ class Run:
             "dtype": dtype_name(case.dtype),
             "layout": case.layout,
             "variant": case.variant,
-            "metric": "tflops",
-            "p20": tflops[0],
-            "p50": tflops[1],
-            "p80": tflops[2],
+            "metric": case.metric,
+            "p20": rates[0],
+            "p50": rates[1],
+            "p80": rates[2],
             "ms": ms50,
             "config": config,
             "accuracy_ratio": accuracy.ratio,
@@ -337,6 +351,8 @@ class Run:
             "date": self.date,
             **{k: v for k, v in self.env.items() if k != "gpu_slug"},
         }
+        if case.row_extra is not None:
+            row.update(case.row_extra(row))
         self.rows.append(row)
         return row
 
@@ -420,7 +436,7 @@ def run_case(case: BenchCase, run: Run, warmup: float, rep: float) -> None:
     for provider, fn in case.providers.items():
         row = measure(case, provider, fn, sets, run, warmup, rep, case.configs.get(provider, ""))
         if row is not None:
-            print(f"  {case.label()} {provider:>14}: {format_value(row['p50'])} TFLOP/s "
+            print(f"  {case.label()} {provider:>14}: {format_value(row['p50'])} {metric_unit(case.metric)} "
                   f"({row['ms']:.4g} ms, check ratio {row['accuracy_ratio']:.2f})", flush=True)
     del sets
     _recover(run.device)
@@ -534,7 +550,7 @@ def report(rows: Sequence[dict], op_module=None, markdown: bool = False,
                 else:
                     line += ["-"] * (3 if anchor_provider in providers else 2)
             body.append(line)
-        title = f"{op} · {variant} · {dtype} · {layout} — TFLOP/s (median)"
+        title = f"{op} · {variant} · {dtype} · {layout} — {metric_unit(group[0].get('metric'))} (median)"
         summary = []
         for p in others:
             if anchors:
@@ -629,7 +645,8 @@ def plot_panels(rows: Sequence[dict], key: Callable[[dict], tuple], draw: Callab
 
 
 def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
-    """Bar chart of TFLOP/s per shape and provider, one panel per table; returns what happened."""
+    """Bar chart of the metric (TFLOP/s, TB/s) per shape and provider, one panel per table; returns
+    what happened."""
 
     def draw(ax, panel, group):
         variant, dtype, layout = panel
@@ -645,7 +662,7 @@ def plot_rows(rows: Sequence[dict], path: pathlib.Path, title: str) -> str:
             ax.bar(xs, p50, width, yerr=[lo, hi], label=p, capsize=2)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
         ax.set_xticklabels(shapes, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel("TFLOP/s (p20-p50-p80)")
+        ax.set_ylabel(f"{metric_unit(group[0].get('metric'))} (p20-p50-p80)")
         ax.set_title(f"{variant} · {dtype} · {layout}", fontsize=10)
         ax.legend(fontsize=8)
 
@@ -717,7 +734,8 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
     if device.type == "cuda":
         header.append(f"{'CUDA-graph replays (do_bench_cudagraph)' if opts.cuda_graph else 'eager calls'}; "
                       f"do_bench warmup {opts.warmup:g} ms, rep {opts.rep:g} ms; inputs rotate through >= 2x "
-                      f"L2 ({l2_bytes(device) / 2**20:.0f} MiB); TFLOP/s = "
+                      f"L2 ({l2_bytes(device) / 2**20:.0f} MiB); "
+                      f"{metric_unit(getattr(op_module, 'METRIC', 'tflops'))} = "
                       f"{getattr(op_module, 'FLOPS_FORMULA', '2*M*N*K')} / median time")
     else:
         header.append(INTERPRETER_WARNING)
@@ -728,7 +746,9 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
     else:
         for case in op_module.bench_cases(opts, device):
             run_case(case, run, opts.warmup, opts.rep)
-        text = report(run.rows, op_module, interpreter_note=False)  # the header says it already
+        own_report = getattr(op_module, "report_rows", None)   # an op's own tables (RESULTS.md uses them too)
+        text = (own_report(run.rows, interpreter_note=False) if own_report
+                else report(run.rows, op_module, interpreter_note=False))  # the header says it already
     footer = []
     if run.notes:
         footer.append("notes:\n" + "\n".join(f"  {n}" for n in run.notes))

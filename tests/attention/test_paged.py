@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 import tilekernels as tk
+from tilekernels.attention import _paged_kernels
 from tilekernels.attention._paged_kernels import paged_row_offsets
 from tilekernels.attention.reference import (
     PagedKV,
@@ -589,6 +590,64 @@ def test_merge_of_split_prefill_is_whole(device):
     assert_close("split-merge-out", out, ref_out, low_out, ratio=4.0)
     atol = 2e-5 * float(ref_lse.abs().max())
     assert_close("split-merge-lse", lse, ref_lse, reference(problem, torch.float32)[1], atol=atol)
+
+
+# ====================================================================================================
+# CPU lane: alternative load paths, torch.compile
+
+
+@pytest.fixture
+def paged_tma_mode():
+    """Set ``_paged_kernels.tma_mode`` for one test and restore the device default after it."""
+    def set_mode(mode):
+        _paged_kernels.tma_mode = mode
+    yield set_mode
+    _paged_kernels.tma_mode = None
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tma_pages_equal_pointer_pages(causal, paged_tma_mode, device):
+    """With whole key blocks per page, the kernels read K and V through 4-D tensor descriptors (Hopper);
+    the interpreter runs them too. Bit-identical to the gathered pointer loads, with the last pages'
+    unused slots and page 0 holding NaN (a masked block must zero them before ``p @ v``)."""
+    c = case(SQ, SK, page_size=16, table="2d", causal=causal, kv_dtype=E4M3, scale="page", window_left=20)
+    problem = make_paged_problem(c, device)
+    results = []
+    for mode in (True, False):
+        paged_tma_mode(mode)
+        results.append(run_prefill(problem))
+        results.append(run_decode(dataclasses.replace(problem, q=problem.q[:4]), num_splits=2))
+    (p_out, p_lse), (d_out, d_lse), (p_out2, p_lse2), (d_out2, d_lse2) = results
+    for label, first, second in (("prefill out", p_out, p_out2), ("prefill lse", p_lse, p_lse2),
+                                 ("decode out", d_out, d_out2), ("decode lse", d_lse, d_lse2)):
+        assert torch.equal(first, second), f"{c.name}: TMA and pointer {label} differ"
+    check_against_reference(c.name, problem, p_out, p_lse)
+
+
+def test_torch_compile_fullgraph(device):
+    """The three ops under torch.compile(fullgraph=True), ``out=`` included: bit-equal to eager."""
+    c = case(SQ, SK, page_size=3, causal=True)
+    problem = make_paged_problem(c, device)
+    decode = dataclasses.replace(problem, q=problem.q[:4])
+
+    def step(p, d, out):
+        o, lse = tk.batch_prefill(p.q, p.paged.k_cache, p.paged.v_cache, p.qo_indptr,
+                                  **{**p.kwargs(), "return_lse": True, "out": out})
+        kwargs = {key: value for key, value in d.kwargs().items() if key != "causal"}
+        od, lsed = tk.batch_decode(d.q, d.paged.k_cache, d.paged.v_cache, **kwargs, return_lse=True,
+                                   num_splits=2)
+        merged = tk.merge_attention_states(o[:4], lse[:4], od, lsed)
+        return o, lse, od, lsed, *merged
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    eager_out, compiled_out = torch.empty_like(problem.q), torch.empty_like(problem.q)
+    eager = step(problem, decode, eager_out)
+    got = compiled(problem, decode, compiled_out)
+    assert got[0].data_ptr() == compiled_out.data_ptr(), "out= was not written in place under torch.compile"
+    for label, first, second in zip(("out", "lse", "decode out", "decode lse", "merged", "merged lse"), eager,
+                                    got):
+        assert torch.equal(first, second), f"compiled and eager {label} differ"
 
 
 # ====================================================================================================

@@ -256,7 +256,7 @@ def _launch(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scales, 
     (k_scale, k_value, k_mode), (v_scale, v_value, v_mode) = scales
     group = num_heads // cache.kv_heads
     pad = head_dim_pad(head_dim)
-    cfg = kern.paged_config(pad, decode, _use_tma(cache, k_cache, v_cache, 64))
+    cfg = kern.paged_config(pad, decode, _use_tma(cache, k_cache, v_cache, 64), k_cache.element_size())
     if decode:
         # pack the query heads of one KV head into the tile's rows: each key block is read once per group
         heads_per_tile = _largest_divisor_at_most(group, 64)
@@ -311,7 +311,9 @@ def _launch(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scales, 
         HP=heads_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DECODE=decode,
         SEARCH_STEPS=max(1, batch.bit_length()), TABLE_2D=table["table_2d"], CAUSAL=causal and not decode,
         HAS_LEFT=window_left >= 0, HAS_SOFTCAP=logits_soft_cap > 0, K_SCALE=k_mode, V_SCALE=v_mode,
-        NUM_SPLITS=num_splits, USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_SPLITS=num_splits, USE_TMA=use_tma,
+        SAME_ROWS=cache.k_strides[:4] == cache.v_strides[:4] and cache.k_x[0] == cache.v_x[0],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         block_h = min(16, 1 << (num_heads - 1).bit_length())

@@ -54,12 +54,6 @@ OPTION_KEYS = ("causal", "window_left", "logits_soft_cap", "softmax_scale")
 
 gpu = pytest.mark.gpu
 
-# The interpreter evaluates exp() of masked (-inf) scores in numpy, which warns about what the kernels
-# mean to do.
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]
-
 
 # ====================================================================================================
 # cases, inputs and the check every test uses

@@ -46,11 +46,6 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 gpu = pytest.mark.gpu
 
-# The interpreter evaluates saturating exp()s and NaN/inf inputs in numpy, which warns about what the
-# kernels mean to do.
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
-
 
 def operands(M, N, K, dtype, layout, device, *, unit=False):
     """A ``[M, K]`` and B ``[K, N]``; a ``C`` in ``layout`` makes that operand a transposed view.

@@ -6,7 +6,7 @@ the rows come from.
 
 Queries. Programs walk *virtual blocks*: sequence b owns the virtual indices
 ``[qo_indptr[b] // QT + b, qo_indptr[b + 1] // QT + b + 1)``, at least the ``cdiv(qo_len, QT)`` blocks
-of ``QT`` queries it needs, and the ranges tile ``[0, total_q // QT + B + 1)`` in order. A program finds
+of ``QT`` queries it needs, and the ranges tile ``[0, total_q // QT + B)`` in order. A program finds
 its sequence by a binary search over ``qo_indptr`` on the device, so the grid needs only host shapes
 (``total_q``, B): no plan step, no host synchronisation. In decode every sequence has one query and
 program b is sequence b.
@@ -26,6 +26,11 @@ which covers the linear layout ``[pages, page_size, H_kv, D]`` (XS = XD = 1) and
 K ``[pages, H_kv, D/x, page_size, x]`` (XD = x) and V ``[pages, H_kv, page_size/x, D, x]`` (XS = x).
 Only ``p * stride_page`` is 64-bit: the launcher checks that one page's extent is below 2^31 elements,
 so every in-page term is provably 32-bit safe, whatever the pool's size.
+
+Loads. The table entries of a key block are read one block ahead. Where a 64-key block lies in one
+page of a linear cache (pages of 64, 128, ... keys), K and V come through 4-D TMA descriptors over
+``[pages, page_size, H_kv, D]``; elsewhere rows are gathered with pointer loads (one address
+computation for K and V when their strides agree).
 
 Scales (fp8 caches): mode 0 none (a host float folded into the scalars), 1 one device scalar per
 tensor, 2 per (page, KV head), applied per key column to the scores (K) and to the probabilities (V).

@@ -47,7 +47,17 @@ import torch.nn.functional as F
 
 from ..testing import Comparison, compare, random_tensor
 from .check import CheckCase
-from .harness import OURS, Accuracy, BenchCase, UsageError, device_random, dtype_name, parse_dims, shape_items
+from .harness import (
+    OURS,
+    Accuracy,
+    BenchCase,
+    UsageError,
+    device_random,
+    dtype_name,
+    parse_dims,
+    shape_items,
+    tk_function,
+)
 
 NAME = "flash_attn"
 ANCHOR_PROVIDER = "cudnn"
@@ -79,16 +89,6 @@ INTERPRETER_SIZES = ["1x2x64x32"]
 
 OUT_RATIO = 2.0
 GRAD_RATIO = 3.0
-
-
-def _tk_function(name: str):
-    import tilekernels
-
-    try:
-        return getattr(tilekernels, name)
-    except AttributeError:
-        raise ImportError(f"tilekernels.{name} is not available (tilekernels/__init__.py does not export "
-                          "it)") from None
 
 
 def _reference_attention():
@@ -143,7 +143,7 @@ def parse_attention_shapes(text: str, causal: str = "both") -> list[dict]:
 
 
 def _tk_forward(causal: bool):
-    flash_attn_func = _tk_function("flash_attn_func")
+    flash_attn_func = tk_function("flash_attn_func")
 
     def forward(q, k, v):
         return flash_attn_func(q, k, v, causal=causal)
@@ -367,7 +367,7 @@ def _check_case(name: str, device: torch.device, seed: int, *, heads: int, heads
             kwargs["alibi_slopes"] = (torch.rand(batch, heads, generator=gen) * 0.3).to(device)
         reference_kwargs = dict(kwargs)
         if varlen:
-            flash_attn_varlen_func = _tk_function("flash_attn_varlen_func")
+            flash_attn_varlen_func = tk_function("flash_attn_varlen_func")
             cu_q = torch.tensor([0, *itertools.accumulate(seqlens_q)], dtype=torch.int32, device=device)
             cu_k = torch.tensor([0, *itertools.accumulate(seqlens_k)], dtype=torch.int32, device=device)
             reference_kwargs.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -376,7 +376,7 @@ def _check_case(name: str, device: torch.device, seed: int, *, heads: int, heads
                 return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), **kwargs,
                                               **extra)
         else:
-            flash_attn_func = _tk_function("flash_attn_func")
+            flash_attn_func = tk_function("flash_attn_func")
 
             def call(q, k, v, **extra):
                 return flash_attn_func(q, k, v, **kwargs, **extra)

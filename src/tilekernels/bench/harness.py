@@ -75,6 +75,18 @@ def metric_unit(metric: str | None) -> str:
     return METRIC_UNITS.get(metric or "tflops", metric or "tflops")
 
 
+def tk_function(name: str):
+    """``tilekernels.<name>``, imported when a provider first needs it; ImportError saying so if the
+    package does not export it."""
+    import tilekernels
+
+    try:
+        return getattr(tilekernels, name)
+    except AttributeError:
+        raise ImportError(f"tilekernels.{name} is not available (tilekernels/__init__.py does not export "
+                          "it)") from None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     for name, d in DTYPES.items():
         if d == dtype:

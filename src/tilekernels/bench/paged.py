@@ -111,6 +111,7 @@ from .harness import (
     shape_items,
     shape_label,
     time_ms,
+    tk_function,
 )
 
 PREFILL = "batch_prefill"
@@ -153,16 +154,6 @@ _copy_tbps: dict[str, float] = {}
 FLEX_Q_BLOCK = 128
 FLEX_MIN_KEY_BLOCK = 16       # tl.dot's smallest N
 FLEX_DEFAULT_KEY_BLOCK = 64   # torch's default BLOCK_N for bf16/fp16, head dim 128, H100
-
-
-def _tk_function(name: str):
-    import tilekernels
-
-    try:
-        return getattr(tilekernels, name)
-    except AttributeError:
-        raise ImportError(f"tilekernels.{name} is not available (tilekernels/__init__.py does not export "
-                          "it)") from None
 
 
 def _paged_reference():
@@ -353,7 +344,7 @@ def _gathered(x: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def _tk_provider(spec: Spec):
-    op = _tk_function(spec.op)
+    op = tk_function(spec.op)
 
     def run(x: dict) -> torch.Tensor:
         paged = x["paged"]
@@ -366,7 +357,7 @@ def _tk_provider(spec: Spec):
 
 
 def _contiguous_provider(spec: Spec):
-    flash_attn_varlen_func = _tk_function("flash_attn_varlen_func")
+    flash_attn_varlen_func = tk_function("flash_attn_varlen_func")
 
     def build(x: dict) -> dict:
         k, v, cu_seqlens_k = _gathered(x, spec.dtype)
@@ -818,9 +809,9 @@ def _paged_check(name: str, device: torch.device, seed: int, *, decode: bool, he
         kwargs = dict(paged.table(table), k_scale=paged.k_scale, v_scale=paged.v_scale, return_lse=True,
                       out=poisoned(q.shape, q.dtype, device), **options)
         if decode:
-            out, lse = _tk_function("batch_decode")(q, paged.k_cache, paged.v_cache, num_splits=num_splits, **kwargs)
+            out, lse = tk_function("batch_decode")(q, paged.k_cache, paged.v_cache, num_splits=num_splits, **kwargs)
         else:
-            out, lse = _tk_function("batch_prefill")(q, paged.k_cache, paged.v_cache, qo_indptr, **kwargs)
+            out, lse = tk_function("batch_prefill")(q, paged.k_cache, paged.v_cache, qo_indptr, **kwargs)
         ref_kwargs = dict(paged.table(table), k_scale=paged.k_scale, v_scale=paged.v_scale, **options)
         ref, ref_lse = reference.reference_paged_attention(q, paged.k_cache, paged.v_cache, qo_indptr,
                                                            compute_dtype=torch.float64, **ref_kwargs)
@@ -860,7 +851,7 @@ def _merge_check(name: str, device: torch.device, seed: int, rows: int, heads: i
         lse_a[0] = -math.inf
         lse_b[1] = -math.inf
         lse_a[2, 0] = lse_b[2, 0] = -math.inf
-        v, lse = _tk_function("merge_attention_states")(v_a, lse_a, v_b, lse_b)
+        v, lse = tk_function("merge_attention_states")(v_a, lse_a, v_b, lse_b)
         ref_v, ref_lse = reference.reference_merge_states(v_a, lse_a, v_b, lse_b)
         low_v, low_lse = _merge_fp32(v_a, lse_a, v_b, lse_b)
         return _worst([compare("v", v, ref_v, low_v.to(dtype), ratio=OUT_RATIO),

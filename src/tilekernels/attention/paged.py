@@ -208,16 +208,18 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
-def _auto_splits(device: torch.device, programs: int, keys_estimate: int) -> int:
+def _auto_splits(device: torch.device, programs: int, keys_estimate: int, fp8: bool) -> int:
     """Decode: one share per (sequence, KV head) when those alone cover every SM (on an H100, 32 x 8
     of them: 1.05x the bandwidth floor unsplit, 1.20x in 2 shares); otherwise enough shares to fill the
-    GPU about twice, each of at least 256 keys."""
+    GPU about twice (fp8 caches, latency-bound: four times; 8 x 32768 keys: 8 shares 1.56x the floor,
+    5 shares 2.19x), each of at least 256 keys."""
     if is_interpreter():
         return 1
     sms = sm_count(device)
     if programs >= sms:
         return 1
-    return max(1, min(cdiv(2 * sms, max(programs, 1)), keys_estimate // 256, 64))
+    waves = 4 if fp8 else 2
+    return max(1, min(cdiv(waves * sms, max(programs, 1)), keys_estimate // 256, 64))
 
 
 def _use_tma(cache: _Cache, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> bool:
@@ -269,7 +271,8 @@ def _launch(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scales, 
         if num_splits is None:
             pages = table["page_table"]
             keys = (pages.shape[1] if table["table_2d"] else cdiv(pages.shape[0], batch)) * cache.page_size
-            num_splits = _auto_splits(q.device, batch * (num_heads // heads_per_tile), keys)
+            num_splits = _auto_splits(q.device, batch * (num_heads // heads_per_tile), keys,
+                                      k_cache.element_size() == 1)
     else:
         grid0 = total_q // queries_per_tile + batch
         num_splits = 1

@@ -2,7 +2,13 @@
 
 from . import dist  # tk.dist.all_gather_matmul, tk.dist.matmul_reduce_scatter, tk.dist.Workspace
 from ._runtime import raise_pending_errors
-from .attention import batch_decode, batch_prefill, flash_attn_func, flash_attn_varlen_func, merge_attention_states
+from .attention import (
+           batch_decode,
+           batch_prefill,
+           flash_attn_func,
+           flash_attn_varlen_func,
+           merge_attention_states,
+)
 from .gemm import AsyncInputScheduler, GemmConfig, async_input_mm, gemm
 
 __version__ = "0.1.0"

@@ -24,15 +24,6 @@ from tilekernels.attention import _bwd, _fwd
 from tilekernels.testing import random_tensor
 
 
-@pytest.fixture
-def tma_mode():
-    """Set ``_fwd.tma_mode`` for one test and restore the device default after it."""
-    def set_mode(mode):
-        _fwd.tma_mode = mode
-    yield set_mode
-    _fwd.tma_mode = None
-
-
 def _run(fn, q, k, v, dout):
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out = fn(qq, kk, vv)
@@ -41,7 +32,7 @@ def _run(fn, q, k, v, dout):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["batch", "varlen"])
-def test_tma_path_matches_pointer_path(device, tma_mode, varlen):
+def test_tma_path_matches_pointer_path(device, monkeypatch, varlen):
     dtype, heads, kv_heads, head_dim = torch.float16, 4, 2, 40
     if varlen:
         cu_q = torch.tensor([0, 20, 65, 68], dtype=torch.int32, device=device)
@@ -67,9 +58,9 @@ def test_tma_path_matches_pointer_path(device, tma_mode, varlen):
     if varlen:
         dout[68:] = float("nan")
 
-    tma_mode(False)
+    monkeypatch.setattr(_fwd, "tma_mode", False)
     expected = _run(fn, q, k, v, dout)
-    tma_mode(True)
+    monkeypatch.setattr(_fwd, "tma_mode", True)
     assert _fwd.use_tensor_descriptors((q, k, v), varlen)
     got = _run(fn, q, k, v, dout)
     for name, want, have, rows in zip(("out", "dq", "dk", "dv"), expected, got, (rows_q, rows_q, rows_k, rows_k)):
@@ -77,8 +68,8 @@ def test_tma_path_matches_pointer_path(device, tma_mode, varlen):
         assert torch.equal(have[:rows], want[:rows]), f"{name}: TMA path differs from the pointer path"
 
 
-def test_tma_needs_aligned_strides(device, tma_mode):
-    tma_mode(True)
+def test_tma_needs_aligned_strides(device, monkeypatch):
+    monkeypatch.setattr(_fwd, "tma_mode", True)
     q = random_tensor((1, 8, 2, 20), torch.float16, device)   # row stride 40 bytes: not 16-byte aligned
     assert not _fwd.use_tensor_descriptors((q, q, q), False)
     padded = random_tensor((2, 8, 2, 32), torch.float16, device)[:, :, :, :24]  # last dim 24 of 32: aligned
@@ -110,10 +101,10 @@ def test_split_dkdv_matches_one_launch(device):
         assert torch.equal(one, two), f"{name}: split dK/dV launches differ from one launch"
 
 
-def test_tma_skips_empty_operands(device, tma_mode):
+def test_tma_skips_empty_operands(device, monkeypatch):
     """Batch mode allows S_k = 0; a descriptor over a zero-sized dimension is invalid, so such a call
     takes the pointer path (every row sees no key: out 0, LSE +inf)."""
-    tma_mode(None if device.type == "cuda" else True)
+    monkeypatch.setattr(_fwd, "tma_mode", None if device.type == "cuda" else True)
     q = random_tensor((2, 5, 2, 32), torch.float16, device)
     k = torch.empty((2, 0, 2, 32), dtype=torch.float16, device=device)
     assert not _fwd.use_tensor_descriptors((q, k, k), False)

@@ -590,17 +590,8 @@ def test_merge_of_split_prefill_is_whole(device):
 # CPU lane: alternative load paths, torch.compile
 
 
-@pytest.fixture
-def paged_tma_mode():
-    """Set ``_paged_kernels.tma_mode`` for one test and restore the device default after it."""
-    def set_mode(mode):
-        _paged_kernels.tma_mode = mode
-    yield set_mode
-    _paged_kernels.tma_mode = None
-
-
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_tma_pages_equal_pointer_pages(causal, paged_tma_mode, device):
+def test_tma_pages_equal_pointer_pages(causal, monkeypatch, device):
     """With whole key blocks per page, the kernels read K and V through 4-D tensor descriptors (Hopper);
     the interpreter runs them too. Bit-identical to the gathered pointer loads, with the last pages'
     unused slots and page 0 holding NaN (a masked block must zero them before ``p @ v``)."""
@@ -608,7 +599,7 @@ def test_tma_pages_equal_pointer_pages(causal, paged_tma_mode, device):
     problem = make_paged_problem(c, device)
     results = []
     for mode in (True, False):
-        paged_tma_mode(mode)
+        monkeypatch.setattr(_paged_kernels, "tma_mode", mode)
         results.append(run_prefill(problem))
         results.append(run_decode(dataclasses.replace(problem, q=problem.q[:4]), num_splits=2))
     (p_out, p_lse), (d_out, d_lse), (p_out2, p_lse2), (d_out2, d_lse2) = results

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tilekernels as tk
-from tilekernels.gemm.configs import GemmConfig, override_config
+from tilekernels.gemm.configs import GemmConfig
 from tilekernels.testing import assert_close, poisoned, random_matrix, reference_gemm
 
 gpu = pytest.mark.gpu

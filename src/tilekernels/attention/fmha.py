@@ -27,17 +27,21 @@ MAX_HEAD_DIM = 256
 # argument checks
 
 
-def _check_tensor(name: str, t, dims: int, what: str) -> None:
+def check_tensor(name: str, t, dims: int | tuple[int, ...], what: str) -> torch.Tensor:
+    """``t`` if it is a tensor of ``dims`` dimensions (an int, or the allowed counts), else TypeError /
+    ValueError naming ``name``; the message reads "must be {dims}-D {what}" (int) or "must be {what}"."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must be {dims}-D {what}, got shape {tuple(t.shape)}")
+    if t.dim() not in ((dims,) if isinstance(dims, int) else dims):
+        form = f"{dims}-D {what}" if isinstance(dims, int) else what
+        raise ValueError(f"{name} must be {form}, got shape {tuple(t.shape)}")
+    return t
 
 
 def _check_qkv(q, k, v, varlen: bool) -> None:
     layout = "[total, H, D]" if varlen else "[B, S, H, D]"
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 3 if varlen else 4, layout)
+        check_tensor(name, t, 3 if varlen else 4, layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{name} must be float16 or bfloat16 (as FlashAttention), got {t.dtype}")
@@ -87,7 +91,7 @@ def _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes,
 
 def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device: torch.device) -> None:
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        _check_tensor(name, t, 1, "[B + 1]")
+        check_tensor(name, t, 1, "[B + 1]")
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32 (as FlashAttention), got {t.dtype}")
         if t.device != device:

@@ -28,6 +28,7 @@ from .._runtime import (
 )
 from . import _paged_kernels as kern
 from ._fwd import LOG2E, head_dim_pad
+from .fmha import check_tensor
 
 MAX_HEAD_DIM = 256
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -38,17 +39,9 @@ INT32_MAX = 2**31 - 1
 # argument checks
 
 
-def _tensor(name: str, t, dims: tuple[int, ...], what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() not in dims:
-        raise ValueError(f"{name} must be {what}, got shape {tuple(t.shape)}")
-    return t
-
-
 def _index(name: str, t, shape: tuple[int | None, ...], what: str, device: torch.device) -> torch.Tensor:
     """An int32 index tensor of ``shape`` (None: any size) on ``device``, last dim contiguous."""
-    _tensor(name, t, (len(shape),), what)
+    check_tensor(name, t, (len(shape),), what)
     if t.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {t.dtype}")
     if t.device != device:
@@ -63,7 +56,7 @@ class _Cache:
 
     def __init__(self, k_cache, v_cache, head_dim: int, q_dtype: torch.dtype, device: torch.device):
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _tensor(name, t, (4, 5), "4-D linear [num_pages, page_size, H_kv, D] or 5-D vectorized")
+            check_tensor(name, t, (4, 5), "4-D linear [num_pages, page_size, H_kv, D] or 5-D vectorized")
         if k_cache.dim() != v_cache.dim():
             raise ValueError(f"k_cache and v_cache must have one layout, got {k_cache.dim()}-D and "
                              f"{v_cache.dim()}-D")
@@ -117,16 +110,24 @@ class _Cache:
         self.dtype = k_cache.dtype
 
 
-def _scale(name: str, scale, cache: _Cache, device: torch.device) -> tuple[Optional[torch.Tensor], float, int]:
-    """(tensor or None, host value, mode) of a k_scale / v_scale argument."""
+def _split_scale(name: str, scale) -> tuple[Optional[torch.Tensor], float]:
+    """A k_scale / v_scale argument as the op takes it: (tensor, 1.0) or (None, host value)."""
     if scale is None:
-        return None, 1.0, kern.SCALE_NONE
+        return None, 1.0
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         if not math.isfinite(scale):
             raise ValueError(f"{name} must be finite, got {scale!r}")
-        return None, float(scale), kern.SCALE_NONE
+        return None, float(scale)
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"{name} must be None, a float or a float32 tensor, got {type(scale).__name__}")
+    return scale, 1.0
+
+
+def _scale(name: str, scale: Optional[torch.Tensor], value: float, cache: _Cache,
+           device: torch.device) -> tuple[Optional[torch.Tensor], float, int]:
+    """(tensor or None, host value, mode) of a split k_scale / v_scale."""
+    if scale is None:
+        return None, value, kern.SCALE_NONE
     if scale.dtype != torch.float32:
         raise TypeError(f"{name} must be float32, got {scale.dtype}")
     if scale.device != device:
@@ -165,7 +166,7 @@ def _table(batch: int, kv_indptr, kv_page_indices, kv_last_page_len, block_table
 
 
 def _check_q(q, decode: bool) -> None:
-    _tensor("q", q, (3,), "3-D [B, H, D]" if decode else "3-D [total_q, H, D]")
+    check_tensor("q", q, 3, "[B, H, D]" if decode else "[total_q, H, D]")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"q must be float16 or bfloat16, got {q.dtype}")
     check_runnable(q.device, "q")
@@ -338,12 +339,16 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_
               seqlen_k: Optional[torch.Tensor], k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
               out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, logits_soft_cap: float,
               window_left: int, k_scale_value: float, v_scale_value: float, num_splits: int) -> None:
-    """The checked call: ``qo_indptr`` None means decode (one query per sequence); ``num_splits`` 0 is
-    automatic; host-float scales arrive as ``*_scale_value`` with the tensor None."""
+    """The call behind both functions, which have checked q, the options and ``out``; the caches, page
+    table and scales are checked here, where their geometry is worked out (once per call). ``qo_indptr``
+    None means decode (one query per sequence); ``num_splits`` 0 is automatic; host-float scales arrive
+    as ``*_scale_value`` with the tensor None."""
     batch = q.shape[0] if qo_indptr is None else qo_indptr.shape[0] - 1
     cache = _Cache(k_cache, v_cache, q.shape[-1], q.dtype, q.device)
+    if q.shape[1] % cache.kv_heads:
+        raise ValueError(f"q's head count ({q.shape[1]}) must be a multiple of the caches' ({cache.kv_heads})")
     table = _table(batch, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k, q.device)
-    scales = tuple(_scale(name, t if t is not None else value, cache, q.device)
+    scales = tuple(_scale(name, t, value, cache, q.device)
                    for name, t, value in (("k_scale", k_scale, k_scale_value), ("v_scale", v_scale, v_scale_value)))
     _launch(q, k_cache, v_cache, qo_indptr, table, cache, scales, out, lse, causal, softmax_scale,
             logits_soft_cap, window_left, num_splits or None)
@@ -368,20 +373,11 @@ def _paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_p
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
     device = q.device
-    if decode:
-        batch = q.shape[0]
-    else:
+    if not decode:
         qo_indptr = _index("qo_indptr", qo_indptr, (None,), "1-D [B + 1]", device)
         if qo_indptr.shape[0] < 1:
             raise ValueError("qo_indptr must hold B + 1 >= 1 offsets, got none")
-        batch = qo_indptr.shape[0] - 1
-    # checked here, before the op, so that errors name the caller's arguments under torch.compile too
-    cache = _Cache(k_cache, v_cache, q.shape[-1], q.dtype, device)
-    if q.shape[1] % cache.kv_heads:
-        raise ValueError(f"q's head count ({q.shape[1]}) must be a multiple of the caches' ({cache.kv_heads})")
-    table = _table(batch, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k, device)
-    (k_tensor, k_value, _), (v_tensor, v_value, _) = (_scale("k_scale", k_scale, cache, device),
-                                                      _scale("v_scale", v_scale, cache, device))
+    (k_tensor, k_value), (v_tensor, v_value) = _split_scale("k_scale", k_scale), _split_scale("v_scale", v_scale)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     if q.numel() and q.stride(-1) != 1:
@@ -389,10 +385,9 @@ def _paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_p
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
-    _paged_op(q, k_cache, v_cache, qo_indptr, table.get("kv_indptr"), kv_page_indices if not table["table_2d"]
-              else None, table.get("last_page_len"), table["page_table"] if table["table_2d"] else None,
-              table.get("seqlen_k"), k_tensor, v_tensor, out, lse, causal, float(softmax_scale),
-              float(logits_soft_cap), int(window_left), k_value, v_value, int(num_splits or 0))
+    _paged_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,
+              k_tensor, v_tensor, out, lse, causal, float(softmax_scale), float(logits_soft_cap), int(window_left),
+              k_value, v_value, int(num_splits or 0))
     return (out, lse) if return_lse else out
 
 
@@ -480,11 +475,11 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b):
     ``-inf`` (no keys) weighs 0; two give v 0 and lse ``-inf``.
     """
     for name, t in (("v_a", v_a), ("v_b", v_b)):
-        _tensor(name, t, (3,), "3-D [N, H, D]")
+        check_tensor(name, t, 3, "[N, H, D]")
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
-        _tensor(name, t, (2,), "2-D [N, H]")
+        check_tensor(name, t, 2, "[N, H]")
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {t.dtype}")
     if v_a.dtype != v_b.dtype:

@@ -117,10 +117,10 @@ def flops(shape: dict, variant: str) -> float:
     return forward * (2.5 if variant == "bwd" else 1.0)
 
 
-def parse_attention_shapes(text: str, causal: str = "both") -> list[dict]:
-    """``"4x16x4096x128,8x16x2048x64xcausal"`` -> ``[{"B": 4, "H": 16, "S": 4096, "D": 128, "mask":
-    "full"}, {... "mask": "causal"}, {"B": 8, ..., "mask": "causal"}]``: an item without a mask suffix
-    takes the masks ``causal`` (both/yes/no) selects."""
+def parse_masked_shapes(text: str, causal: str, dims: tuple[str, ...], example: str) -> list[dict]:
+    """Attention shapes ``AxBx...`` (one positive int per name in ``dims``) with an optional mask suffix
+    (``xfull`` / ``xcausal``); an item without one takes the masks ``causal`` (both/yes/no) selects.
+    ``example`` (a valid item) goes into the error message. Shared by the attention benches."""
     masks_for = {"both": MASKS, "yes": ("causal",), "no": ("full",)}
     if causal not in masks_for:
         raise UsageError(f"--causal: {causal!r}; choose from both, yes, no")
@@ -130,12 +130,19 @@ def parse_attention_shapes(text: str, causal: str = "both") -> list[dict]:
         if parts[-1] in MASKS:
             masks = (parts.pop(),)
         try:
-            dims = parse_dims(item, parts, DIMS)
+            parsed = parse_dims(item, parts, dims)
         except UsageError:
-            raise UsageError(f"shape {item!r}: expected BxHxSxD (4 positive integers joined by 'x'), "
-                             f"optionally followed by x{'|x'.join(MASKS)}, e.g. 4x16x4096x128xcausal") from None
-        shapes += [{**dims, "mask": mask} for mask in masks]
+            raise UsageError(f"shape {item!r}: expected {'x'.join(dims)} ({len(dims)} positive integers joined by "
+                             f"'x'), optionally followed by x{'|x'.join(MASKS)}, e.g. {example}") from None
+        shapes += [{**parsed, "mask": mask} for mask in masks]
     return shapes
+
+
+def parse_attention_shapes(text: str, causal: str = "both") -> list[dict]:
+    """``"4x16x4096x128,8x16x2048x64xcausal"`` -> ``[{"B": 4, "H": 16, "S": 4096, "D": 128, "mask":
+    "full"}, {... "mask": "causal"}, {"B": 8, ..., "mask": "causal"}]``: an item without a mask suffix
+    takes the masks ``causal`` (both/yes/no) selects."""
+    return parse_masked_shapes(text, causal, DIMS, "4x16x4096x128xcausal")
 
 
 # ----------------------------------------------------------------------------------------------------

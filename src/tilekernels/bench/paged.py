@@ -97,6 +97,7 @@ import torch.nn.functional as F
 
 from ..testing import Comparison, compare, poisoned, random_tensor
 from . import harness
+from .attention import parse_masked_shapes
 from .check import CheckCase
 from .harness import (
     DTYPES,
@@ -123,7 +124,6 @@ PROVIDERS = {PREFILL: (OURS, CONTIGUOUS, FLEX), DECODE: (OURS, SDPA, FLEX)}
 
 PREFILL_DIMS = ("B", "H", "Hkv", "Sq", "Sk", "D")
 DECODE_DIMS = ("B", "H", "Hkv", "Sk", "D")
-MASKS = ("full", "causal")
 LAYOUTS = ("linear", "vectorized")
 TABLES = ("1d", "2d")
 KV_SCALES = ("tensor", "page", "none")
@@ -170,21 +170,9 @@ def parse_prefill_shapes(text: str, causal: str = "both") -> list[dict]:
     """``"4x32x8x4096x4096x128,2x4x2x24x40x32xcausal"`` -> ``[{"B": 4, "H": 32, "Hkv": 8, "Sq": 4096, "Sk":
     4096, "D": 128, "mask": "full"}, {..., "mask": "causal"}, {"B": 2, ..., "mask": "causal"}]``: an item
     without a mask suffix takes the masks ``causal`` (both/yes/no) selects."""
-    masks_for = {"both": MASKS, "yes": ("causal",), "no": ("full",)}
-    if causal not in masks_for:
-        raise UsageError(f"--causal: {causal!r}; choose from both, yes, no")
-    shapes = []
-    for item, parts in shape_items(text):
-        masks = masks_for[causal]
-        if parts[-1] in MASKS:
-            masks = (parts.pop(),)
-        try:
-            dims = parse_dims(item, parts, PREFILL_DIMS)
-        except UsageError:
-            raise UsageError(f"shape {item!r}: expected BxHxHkvxSqxSkxD (6 positive integers joined by 'x'), "
-                             f"optionally followed by x{'|x'.join(MASKS)}, e.g. 4x32x8x4096x4096x128xcausal") from None
-        _check_heads(item, dims)
-        shapes += [{**dims, "mask": mask} for mask in masks]
+    shapes = parse_masked_shapes(text, causal, PREFILL_DIMS, "4x32x8x4096x4096x128xcausal")
+    for dims in shapes:
+        _check_heads(shape_label(dims), dims)
     return shapes
 
 

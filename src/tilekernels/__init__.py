@@ -10,9 +10,12 @@ from .attention import (
            merge_attention_states,
 )
 from .gemm import AsyncInputScheduler, GemmConfig, async_input_mm, gemm
+from .norm import add_rms_norm_quant, layer_norm, rms_norm
+from .quant import dynamic_quant, moe_smooth_quant, smooth_quant
 
 __version__ = "0.1.0"
 
-__all__ = ["AsyncInputScheduler", "GemmConfig", "__version__", "async_input_mm", "batch_decode", "batch_prefill",
-           "dist", "flash_attn_func", "flash_attn_varlen_func", "gemm", "merge_attention_states",
-           "raise_pending_errors"]
+__all__ = ["AsyncInputScheduler", "GemmConfig", "__version__", "add_rms_norm_quant", "async_input_mm",
+           "batch_decode", "batch_prefill", "dist", "dynamic_quant", "flash_attn_func", "flash_attn_varlen_func",
+           "gemm", "layer_norm", "merge_attention_states", "moe_smooth_quant", "raise_pending_errors", "rms_norm",
+           "smooth_quant"]

@@ -192,13 +192,24 @@ def cast_for_store(x, dtype: tl.constexpr):
     """``x.to(dtype)`` rounding to nearest-even everywhere.
 
     The interpreter (triton 3.9) truncates fp32 -> bf16 even when asked for "rtne", which doubles the
-    rounding error of every bf16 output on the CPU lane; there the rounding is done on the bits.
+    rounding error of every bf16 output on the CPU lane; and its fp32 -> float8e4nv cast drops the carry
+    when rounding up crosses a power of two (125.9 -> 64, not 128). There the value is first rounded
+    onto the target's grid on the bits (e4m3 subnormals, below 2^-6, in steps of 2^-9), so the cast
+    itself is exact. ``x`` must already be within the target's range.
     """
     if INTERPRET:
         if dtype == tl.bfloat16:
             bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
             bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
             x = bits.to(tl.float32, bitcast=True)
+        elif dtype == tl.float8e4nv:
+            x = x.to(tl.float32)
+            bits = x.to(tl.uint32, bitcast=True)
+            normal = ((bits + (((bits >> 20) & 1) + 0x7FFFF)) & 0xFFF00000).to(tl.float32, bitcast=True)
+            magnitude = tl.abs(x)
+            subnormal = (magnitude + 24576.0) - 24576.0   # 1.5 * 2^14: fp32's step there is 2^-9
+            subnormal = tl.where(x < 0, -subnormal, subnormal)
+            x = tl.where(magnitude < 0.015625, subnormal, normal)
     return x.to(dtype)
 
 

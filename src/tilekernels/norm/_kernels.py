@@ -1,0 +1,539 @@
+"""Row kernels behind the norms and the quantisation ops: one forward kernel, one backward kernel.
+
+Forward, per row of ``N`` values (``_row_forward``)::
+
+    v = x (+ x_bias) (+ residual -> rounded to x's dtype and stored as s)
+    layer: y = (v - mean) * rstd * w + b,  rstd = 1 / sqrt(mean((v - mean)^2) + eps)
+    rms:   y = v * rstd * w,               rstd = 1 / sqrt(mean(v^2) + eps)
+    none:  y = v                           (tk.dynamic_quant / smooth_quant / moe_smooth_quant)
+    quant: z = y (* smooth_scale[expert]); row_scale = max|z| / QMAX; q = round(z * QMAX / max|z|)
+
+Every op of ``tk.norm`` and ``tk.quant`` is this kernel with other constexpr switches, so the
+residual add, the statistics, the affine step and the quantisation are written once.
+
+A row that fits one tile (``N <= BLOCK_N``) is read from memory once and kept in registers. A longer
+row is read in ``BLOCK_N`` chunks several times -- statistics (Chan's parallel mean/variance merge),
+then (with quantisation) the row's max|z|, then the outputs: one program owns the row, so the later
+passes find it in L2 (a 64k-column bf16 row is 128 KB) and HBM still sees one read. With a residual
+the first pass stores s and the later passes read s back instead of x and the residual.
+
+Backward (``_row_backward``), with ``xhat = (v - mean) * rstd`` and ``g = dy * w``::
+
+    layer: dx = rstd * (g - xhat * mean(g * xhat) - mean(g))      (+ ds, the gradient of s)
+    rms:   dx = rstd * (g - xhat * mean(g * xhat))
+    dw = sum over rows of dy * xhat,  db = sum over rows of dy
+
+A grid of ``row_programs x SPLIT_N`` programs: program (r, c) handles column block c of the row
+tiles r, r + row_programs, ..., keeping its block's dw/db sums in registers and writing them to
+row r of a ``[row_programs, N]`` fp32 partial buffer; ``_sum_rows`` then adds the partial rows in a
+fixed order, so dw and db are bit-identical run to run. When a row is wider than one block
+(``SPLIT_N > 1``) each program first sums ``g * xhat`` and ``g`` over the whole row (the programs of
+one row tile run side by side, so most of those reads come from L2), then reloads its own block and
+computes dx and the block's dw/db sums: registers hold one block of dw/db instead of the whole row's.
+(Keeping the own block in registers through the sums instead spilled: 0.14 of copy bandwidth at
+N = 32768 against 0.46.)
+
+int8 rounding is half to even, as ``torch.round``: adding and subtracting 1.5 * 2^23 leaves an fp32
+value with no fractional bits, rounded by the FPU in its default (nearest-even) mode; |z| <= 127 here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from .._runtime import INTERPRET, cast_for_store, is_interpreter, sm_count
+
+NORM_NONE = tl.constexpr(0)
+NORM_LAYER = tl.constexpr(1)
+NORM_RMS = tl.constexpr(2)
+NORMS = {"none": 0, "layer": 1, "rms": 2}
+
+QUANT_NONE = tl.constexpr(0)
+QUANT_DYNAMIC = tl.constexpr(1)
+QUANT_SMOOTH = tl.constexpr(2)
+QUANTS = {None: 0, "dynamic": 1, "smooth": 2}
+
+ROUND_HALF_EVEN = tl.constexpr(12582912.0)   # 1.5 * 2^23
+
+
+# ----------------------------------------------------------------------------------------------------
+# forward
+
+
+@triton.jit
+def _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n, stride_xn,
+               stride_rn, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, READ_SUM: tl.constexpr,
+               WRITE_SUM: tl.constexpr):
+    """The values the norm sees, fp32 ``[BLOCK_M, BLOCK_N]``: x (+ x_bias) (+ residual, rounded to s's
+    dtype and stored when ``WRITE_SUM``); ``READ_SUM``: s as an earlier pass stored it."""
+    if READ_SUM:
+        v = tl.load(sum_ptr + out_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        v = tl.load(x_ptr + x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        if HAS_XBIAS:
+            v += tl.load(xbias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:
+            v += tl.load(res_ptr + res_row + cols[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
+            s = cast_for_store(v, sum_ptr.dtype.element_ty)
+            if WRITE_SUM:
+                tl.store(sum_ptr + out_row + cols[None, :], s, mask=mask)
+            v = s.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM: tl.constexpr, HAS_W: tl.constexpr,
+            HAS_B: tl.constexpr):
+    """``(v - mean) * rstd * w + b`` (layer), ``v * rstd * w`` (rms) or ``v`` (none), in fp32."""
+    if NORM == NORM_LAYER:
+        y = (v - mean[:, None]) * rstd[:, None]
+    elif NORM == NORM_RMS:
+        y = v * rstd[:, None]
+    else:
+        y = v
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT: tl.constexpr, IS_MOE: tl.constexpr):
+    """``y * smooth_scale`` for smooth quantisation (per expert for MoE rows), else ``y``."""
+    if QUANT == QUANT_SMOOTH:
+        if IS_MOE:
+            y = y * tl.load(smooth_ptr + smooth_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            y = y * tl.load(smooth_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def _quantize(z, inv_scale, prescale, q_dtype: tl.constexpr, QMAX: tl.constexpr):
+    """``z * prescale * inv_scale`` (per row) as ``q_dtype``: int8 rounded half to even, fp8 to nearest
+    even (``_row_scales`` gives the factors)."""
+    v = (z * prescale[:, None]) * inv_scale[:, None]
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    if q_dtype == tl.int8:
+        v = (v + ROUND_HALF_EVEN) - ROUND_HALF_EVEN
+    return cast_for_store(v, q_dtype)
+
+
+@triton.jit
+def _row_scales(amax, valid, QMAX: tl.constexpr):
+    """(row_scale, inv_scale, prescale): ``row_scale = max|z| / QMAX``, and q = z * prescale * inv_scale.
+
+    A row of zeros gets 0 and q 0; an invalid row (MoE expert id out of range) NaN and q 0. For a row
+    whose max|z| is below 2^-100, QMAX / max|z| would overflow fp32 (and 0 * inf give NaN), so z and
+    max|z| are first scaled by 2^100, exactly; every other row has prescale 1.
+    """
+    scale = tl.where(valid, amax / QMAX, float("nan"))
+    nonzero = valid & (amax > 0.0)
+    prescale = tl.where(amax < 7.888609052210118e-31, 1.2676506002282294e30, 1.0)   # 2^-100, 2^100
+    inv_scale = tl.where(nonzero, QMAX / tl.where(nonzero, amax * prescale, 1.0), 0.0)
+    return scale, inv_scale, prescale
+
+
+@triton.jit
+def _forward_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
+                  y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr,
+                  M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
+                  stride_tk_t, stride_tk_j, eps,
+                  NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, IS_MOE: tl.constexpr,
+                  STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr, ONE_PASS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row tile ``tile`` of ``_row_forward``."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < M
+    if IS_MOE:
+        # Tiles walk the rows token by token (token t's k rows j * T + t one after another), so a
+        # token's row of x is read from HBM once and from L2 for its other k - 1 experts.
+        topk = M // T
+        token = rows // topk
+        choice = rows % topk
+        rows = choice * T + token
+        expert = tl.load(topk_ptr + token.to(tl.int64) * stride_tk_t + choice * stride_tk_j, mask=mask_m,
+                         other=0).to(tl.int64)
+        valid = mask_m & (expert >= 0) & (expert < num_experts)
+        smooth_row = tl.where(valid, expert, 0)[:, None] * stride_sm
+    else:
+        token = rows
+        valid = mask_m
+        smooth_row = rows[:, None] * 0
+    x_row = token.to(tl.int64)[:, None] * stride_xm
+    res_row = rows.to(tl.int64)[:, None] * stride_rm
+    out_row = rows.to(tl.int64)[:, None] * N
+    if QUANT != QUANT_NONE:
+        q_dtype = q_ptr.dtype.element_ty
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        mask_n = cols < N
+        mask = mask_m[:, None] & mask_n[None, :]
+        v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
+                       stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, False, True)
+        if NORM == NORM_LAYER:
+            mean = tl.sum(v, axis=1) / N
+            centred = tl.where(mask, v - mean[:, None], 0.0)
+            rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+        elif NORM == NORM_RMS:
+            mean = tl.zeros([BLOCK_M], tl.float32)
+            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / N + eps)
+        else:
+            mean = tl.zeros([BLOCK_M], tl.float32)
+            rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
+        y = _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM, HAS_W, HAS_B)
+        if STORE_Y:
+            tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
+        if QUANT != QUANT_NONE:
+            z = _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT, IS_MOE)
+            amax = tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1)
+            scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
+            tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
+            tl.store(scale_ptr + rows, scale, mask=mask_m)
+    else:
+        # pass 1: statistics (and s), chunk by chunk; Chan's merge keeps the variance exact-ish in fp32
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M], tl.float32)   # layer: sum of squared deviations; rms: sum of squares
+        if NORM != NORM_NONE or HAS_RESIDUAL:
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask_n = cols < N
+                mask = mask_m[:, None] & mask_n[None, :]
+                v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
+                               stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, False, True)
+                if NORM == NORM_LAYER:
+                    count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                    chunk_mean = tl.sum(v, axis=1) / count
+                    centred = tl.where(mask, v - chunk_mean[:, None], 0.0)
+                    total = start + count
+                    delta = chunk_mean - mean
+                    mean += delta * (count / total)
+                    acc += tl.sum(centred * centred, axis=1) + delta * delta * (start * count / total)
+                elif NORM == NORM_RMS:
+                    acc += tl.sum(v * v, axis=1)
+            if HAS_RESIDUAL:
+                tl.debug_barrier()   # the later passes read s back, possibly in other threads
+        if NORM == NORM_NONE:
+            rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
+        else:
+            rstd = tl.rsqrt(acc / N + eps)
+        if QUANT != QUANT_NONE:
+            # pass 2: the row's max|z|
+            amax = tl.zeros([BLOCK_M], tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask_n = cols < N
+                mask = mask_m[:, None] & mask_n[None, :]
+                v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
+                               stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
+                y = _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM, HAS_W, HAS_B)
+                z = _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT, IS_MOE)
+                amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1))
+            scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
+            tl.store(scale_ptr + rows, scale, mask=mask_m)
+        # last pass: the outputs
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask_n = cols < N
+            mask = mask_m[:, None] & mask_n[None, :]
+            v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
+                           stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
+            y = _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM, HAS_W, HAS_B)
+            if STORE_Y:
+                tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
+            if QUANT != QUANT_NONE:
+                z = _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT, IS_MOE)
+                tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
+    if STORE_STATS:
+        tl.store(mean_ptr + rows, mean, mask=mask_m)
+        tl.store(rstd_ptr + rows, rstd, mask=mask_m)
+
+
+@triton.jit
+def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
+                 y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr,
+                 M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
+                 stride_tk_t, stride_tk_j, eps,
+                 NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, IS_MOE: tl.constexpr,
+                 STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr, ONE_PASS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """y / q + row_scale / s / mean + rstd of row tiles (see the module docstring).
+
+    x ``[M, N]`` (MoE: ``[T, N]``, row r reads token ``r % T``) with any strides; y, q, s contiguous
+    ``[M, N]``; row_scale, mean, rstd ``[M]`` fp32. MoE: expert ``topk[r % T, r // T]`` picks the
+    smooth-scale row. Whole rows: one tile per program. Chunked rows: a persistent loop over tiles, so
+    only as many long rows are in flight as fit in L2 for their later passes.
+    """
+    if ONE_PASS:
+        _forward_tile(tl.program_id(0), x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr, scale_ptr, sum_ptr,
+                      mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
+                      stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX,
+                      IS_MOE, STORE_Y, STORE_STATS, ONE_PASS, BLOCK_M, BLOCK_N)
+    else:
+        for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            _forward_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr, scale_ptr, sum_ptr,
+                          mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
+                          stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX,
+                          IS_MOE, STORE_Y, STORE_STATS, ONE_PASS, BLOCK_M, BLOCK_N)
+
+
+# ----------------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _normalised(x, xbias_ptr, cols, mask, mask_n, mean, rstd, NORM: tl.constexpr, HAS_XBIAS: tl.constexpr):
+    """``xhat`` fp32 ``[BLOCK_M, BLOCK_N]`` from loaded x, 0 outside the tile's rows and columns."""
+    v = x.to(tl.float32)
+    if HAS_XBIAS:
+        v += tl.load(xbias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if NORM == NORM_LAYER:
+        xhat = (v - mean[:, None]) * rstd[:, None]
+    else:
+        xhat = v * rstd[:, None]
+    return tl.where(mask, xhat, 0.0)
+
+
+@triton.jit
+def _scaled(dy, w_ptr, cols, mask_n, HAS_W: tl.constexpr):
+    """``dy * w`` fp32 from loaded dy."""
+    g = dy.to(tl.float32)
+    if HAS_W:
+        g = g * tl.load(w_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return g
+
+
+@triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _row_sums(g, xhat, NORM: tl.constexpr):
+    """(sum of g * xhat, sum of g) per row; layer norm's two sums in one reduction (one CTA barrier)."""
+    if NORM == NORM_LAYER:
+        if INTERPRET:   # the interpreter runs a combine function element by element in Python
+            sum_gx = tl.sum(g * xhat, axis=1)
+            sum_g = tl.sum(g, axis=1)
+        else:
+            sum_gx, sum_g = tl.reduce((g * xhat, g), 1, _add_pairs)
+    else:
+        sum_gx = tl.sum(g * xhat, axis=1)
+        sum_g = sum_gx
+    return sum_gx, sum_g
+
+
+@triton.jit
+def _tile_rows(tile, M, BLOCK_M: tl.constexpr):
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    return rows, rows < M
+
+
+@triton.jit
+def _row_backward(x_ptr, xbias_ptr, dy_ptr, ds_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+                  M, N, stride_xm, stride_xn, stride_dym, stride_dyn, stride_dsm, stride_dsn,
+                  NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_DS: tl.constexpr,
+                  WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, SPLIT_N: tl.constexpr, PREFETCH: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx ``[M, N]`` (contiguous) and the partial dw/db rows of this program (see the module docstring).
+
+    ``PREFETCH`` (whole rows only): the next tile's x and dy are loaded before this tile's reductions,
+    so a program's loads overlap its own arithmetic instead of waiting on HBM once per row.
+    """
+    pid = tl.program_id(0)
+    col_block = pid % SPLIT_N
+    row_program = pid // SPLIT_N
+    row_programs = tl.num_programs(0) // SPLIT_N
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    dw_acc = tl.zeros([BLOCK_N], tl.float32)
+    db_acc = tl.zeros([BLOCK_N], tl.float32)
+    if PREFETCH:
+        rows, mask_m = _tile_rows(row_program, M, BLOCK_M)
+        mask = mask_m[:, None] & mask_n[None, :]
+        x_next = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask,
+                         other=0.0)
+        dy_next = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask,
+                          other=0.0)
+    for tile in range(row_program, tl.cdiv(M, BLOCK_M), row_programs):
+        rows, mask_m = _tile_rows(tile, M, BLOCK_M)
+        mask = mask_m[:, None] & mask_n[None, :]
+        x_row = rows.to(tl.int64)[:, None] * stride_xm
+        dy_row = rows.to(tl.int64)[:, None] * stride_dym
+        if PREFETCH:
+            x = x_next
+            dy = dy_next
+            rows_next, mask_next = _tile_rows(tile + row_programs, M, BLOCK_M)
+            mask_next = mask_next[:, None] & mask_n[None, :]
+            x_next = tl.load(x_ptr + rows_next.to(tl.int64)[:, None] * stride_xm + cols[None, :] * stride_xn,
+                             mask=mask_next, other=0.0)
+            dy_next = tl.load(dy_ptr + rows_next.to(tl.int64)[:, None] * stride_dym + cols[None, :] * stride_dyn,
+                              mask=mask_next, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=mask_m, other=0.0)
+        if NORM == NORM_LAYER:
+            mean = tl.load(mean_ptr + rows, mask=mask_m, other=0.0)
+        else:
+            mean = rstd * 0.0
+        if SPLIT_N == 1:
+            if not PREFETCH:
+                x = tl.load(x_ptr + x_row + cols[None, :] * stride_xn, mask=mask, other=0.0)
+                dy = tl.load(dy_ptr + dy_row + cols[None, :] * stride_dyn, mask=mask, other=0.0)
+            xhat = _normalised(x, xbias_ptr, cols, mask, mask_n, mean, rstd, NORM, HAS_XBIAS)
+            g = _scaled(dy, w_ptr, cols, mask_n, HAS_W)
+            sum_gx, sum_g = _row_sums(g, xhat, NORM)
+        else:
+            sum_gx = tl.zeros([BLOCK_M], tl.float32)
+            sum_g = tl.zeros([BLOCK_M], tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols_c = start + tl.arange(0, BLOCK_N)
+                mask_nc = cols_c < N
+                mask_c = mask_m[:, None] & mask_nc[None, :]
+                x_c = tl.load(x_ptr + x_row + cols_c[None, :] * stride_xn, mask=mask_c, other=0.0)
+                dy_c = tl.load(dy_ptr + dy_row + cols_c[None, :] * stride_dyn, mask=mask_c, other=0.0)
+                xhat_c = _normalised(x_c, xbias_ptr, cols_c, mask_c, mask_nc, mean, rstd, NORM, HAS_XBIAS)
+                part_gx, part_g = _row_sums(_scaled(dy_c, w_ptr, cols_c, mask_nc, HAS_W), xhat_c, NORM)
+                sum_gx += part_gx
+                sum_g += part_g
+            # this program's block again, now that the sums are known (from L2: just read)
+            x = tl.load(x_ptr + x_row + cols[None, :] * stride_xn, mask=mask, other=0.0)
+            dy = tl.load(dy_ptr + dy_row + cols[None, :] * stride_dyn, mask=mask, other=0.0)
+            xhat = _normalised(x, xbias_ptr, cols, mask, mask_n, mean, rstd, NORM, HAS_XBIAS)
+            g = _scaled(dy, w_ptr, cols, mask_n, HAS_W)
+        if NORM == NORM_LAYER:
+            dx = (g - xhat * (sum_gx / N)[:, None] - (sum_g / N)[:, None]) * rstd[:, None]
+        else:
+            dx = (g - xhat * (sum_gx / N)[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(ds_ptr + rows.to(tl.int64)[:, None] * stride_dsm + cols[None, :] * stride_dsn, mask=mask,
+                          other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], cast_for_store(dx, dx_ptr.dtype.element_ty),
+                 mask=mask)
+        if WANT_DW:
+            dw_acc += tl.sum(dy.to(tl.float32) * xhat, axis=0)
+        if WANT_DB:
+            db_acc += tl.sum(dy.to(tl.float32), axis=0)
+    part_row = row_program.to(tl.int64) * N
+    if WANT_DW:
+        tl.store(dw_part_ptr + part_row + cols, dw_acc, mask=mask_n)
+    if WANT_DB:
+        tl.store(db_part_ptr + part_row + cols, db_acc, mask=mask_n)
+
+
+@triton.jit
+def _sum_rows(part_ptr, out_ptr, R, N, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[n] = sum_r part[r, n]`` (fp32 ``[R, N]``), always in the same order: deterministic."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+    for start in range(0, R, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        acc += tl.load(part_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                       mask=(rows < R)[:, None] & mask_n[None, :], other=0.0)
+    tl.store(out_ptr + cols, cast_for_store(tl.sum(acc, axis=0), out_ptr.dtype.element_ty), mask=mask_n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configurations, as data
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """``block_n`` columns (the whole row when it fits, else the chunk) x ``block_m`` rows per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    # chunked forward and backward: programs per SM of the persistent grid (backward: row programs;
+    # the grid is that many x SM count x column blocks)
+    programs_per_sm: int = 1
+    # backward, whole rows: load the next row tile's x and dy before reducing this one
+    prefetch: bool = True
+
+
+# Measured on an H100 (bf16, 2026-11-22, benchmarks/NOTES.md "Norms and quantisation"). Forward: a
+# whole row in registers up to 32768 columns (16 values per thread, 32 warps at 32768: 16 warps left
+# layer_norm at 0.69-0.76 of copy bandwidth, 32 at 0.92); longer rows in 16384-column chunks, two
+# persistent programs per SM (0.63 of copy at 65536 against 0.39-0.62 for the other chunkings).
+# Under the interpreter the limits are small so the CPU lane reaches the chunked paths at N ~ 4k.
+MAX_FORWARD_BLOCK = {"gpu": 32768, "interpreter": 1024}
+FORWARD_CHUNK = {"gpu": 16384, "interpreter": 1024}
+# Aim for this many columns x rows per forward tile when rows are short (several rows per program).
+MIN_TILE_ELEMENTS = 2048
+
+# Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and
+# a block of dw (and db for layer norm) per thread across the row loop, so past 8192 columns the row
+# is split into column blocks (each program re-reads the row from L2 for its row sums), except RMS
+# norm at 16384, whose three arrays still fit. Winners of a sweep over block, warps, programs per SM,
+# rows per tile and prefetch; fractions of copy bandwidth (layer / rms): 4096 0.89 / 0.95, 8192
+# 0.84 / 0.93, 16384 0.57 / 0.73, 32768 0.47 / 0.76.
+BACKWARD_CONFIGS = (
+    (4096, None, RowConfig(1, 4096, 8, programs_per_sm=2, prefetch=True)),
+    (8192, None, RowConfig(1, 8192, 16, programs_per_sm=1, prefetch=True)),
+    (16384, "rms", RowConfig(1, 16384, 16, programs_per_sm=1, prefetch=False)),
+    (16384, "layer", RowConfig(1, 8192, 16, programs_per_sm=1, prefetch=False)),
+    (None, None, RowConfig(1, 16384, 32, programs_per_sm=1, prefetch=False)),
+)
+INTERPRETER_BACKWARD_BLOCK = 1024
+
+config_override: dict = {}   # tests and sweeps: {"forward": RowConfig, "backward": RowConfig}
+
+
+def _lane(device) -> str:
+    return "interpreter" if device.type != "cuda" or is_interpreter() else "gpu"
+
+
+def _warps(elements: int) -> int:
+    """About 16 values per thread from 4 to 16 warps, then 32 warps for 32768 and more."""
+    if elements >= 32768:
+        return 32
+    return max(4, min(16, triton.next_power_of_2(elements) // (32 * 16)))
+
+
+def forward_config(N: int, device) -> RowConfig:
+    if "forward" in config_override:
+        return config_override["forward"]
+    lane = _lane(device)
+    if N <= MAX_FORWARD_BLOCK[lane]:
+        block_n = triton.next_power_of_2(N)
+        block_m = max(1, min(64, MIN_TILE_ELEMENTS // block_n))
+        return RowConfig(block_m, block_n, _warps(block_m * block_n))
+    block_n = FORWARD_CHUNK[lane]
+    return RowConfig(1, block_n, min(16, _warps(block_n)), programs_per_sm=2)
+
+
+def forward_grid(M: int, N: int, config: RowConfig, device) -> int:
+    """One program per row tile for whole rows; a persistent grid for chunked ones."""
+    tiles_m = triton.cdiv(M, config.block_m)
+    if N <= config.block_n:
+        return tiles_m
+    return max(1, min(tiles_m, config.programs_per_sm * sm_count(device)))
+
+
+def backward_config(N: int, norm: str, device) -> RowConfig:
+    if "backward" in config_override:
+        return config_override["backward"]
+    if _lane(device) == "interpreter":
+        block_n = min(triton.next_power_of_2(N), INTERPRETER_BACKWARD_BLOCK)
+        return RowConfig(max(1, min(16, MIN_TILE_ELEMENTS // block_n)), block_n, 4, programs_per_sm=2)
+    width = triton.next_power_of_2(N)
+    for widest, for_norm, config in BACKWARD_CONFIGS:
+        if (widest is None or width <= widest) and for_norm in (None, norm):
+            if width < config.block_n:   # shorter rows: the same tile area over several rows
+                rows = min(16, config.block_n // width)
+                return RowConfig(rows, width, max(4, config.num_warps // 2), config.programs_per_sm, config.prefetch)
+            return config
+    raise AssertionError("BACKWARD_CONFIGS ends with a catch-all")
+
+
+def backward_grid(M: int, N: int, config: RowConfig, device) -> tuple[int, int]:
+    """(row programs, column blocks): enough row programs to fill the device, no more than row tiles."""
+    split_n = triton.cdiv(N, config.block_n)
+    tiles_m = triton.cdiv(max(M, 1), config.block_m)
+    row_programs = max(1, min(tiles_m, config.programs_per_sm * sm_count(device) // split_n or 1))
+    return row_programs, split_n

@@ -1,0 +1,346 @@
+"""``tk.layer_norm``, ``tk.rms_norm`` and ``tk.add_rms_norm_quant``: row norms with a fused residual add
+and quantised outputs (CK Tile's 02_layernorm2d, 10_rmsnorm2d, 11_add_rmsnorm2d_rdquant).
+
+Reading order: argument checks (shared with ``tk.quant``) -> the launchers -> torch.library ops
+(forward, backward) with fake implementations -> autograd -> the public functions. The kernels are in
+``_kernels.py``; the fp64 specification is ``reference.py``. ``tk.dynamic_quant``, ``tk.smooth_quant``
+and ``tk.moe_smooth_quant`` (``quant/quant.py``) are the same forward op with no norm.
+
+Nothing reads a device value on the host, so every call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from .._runtime import cdiv, check_runnable
+from . import _kernels as kern
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# max |q|: int8 symmetric, NVIDIA's float8_e4m3fn (not AMD's fnuz, whose max is 240)
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+# ----------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def check_rows(name: str, x) -> None:
+    """``x`` is a float tensor ``[..., N]`` (N >= 1) that kernels can run on."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{name} must be [..., N] with N >= 1, got shape {tuple(x.shape)}")
+    check_runnable(x.device, name)
+
+
+def check_vector(name: str, t, shape: tuple, x: torch.Tensor, form: str = "[N]") -> None:
+    """``t`` is None or a float tensor of ``shape`` on x's device."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {form} = {list(shape)}, got shape {tuple(t.shape)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
+
+
+def check_quant_dtype(quant_dtype) -> None:
+    if quant_dtype not in QUANT_MAX:
+        raise TypeError(f"quant_dtype must be torch.int8 or torch.float8_e4m3fn (NVIDIA's fp8, max 448), "
+                        f"got {quant_dtype!r}")
+
+
+def _check_eps(eps) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _check_no_grad(op: str, *tensors) -> None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise ValueError(f"{op}: quantised outputs have no backward; call it under torch.no_grad() or with "
+                         "inputs that do not require grad (the unquantised path, quant=None, has one)")
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, N]``: a view when the leading dims collapse, else a copy."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _empty(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=x.device)
+
+
+def forward_rows(x: torch.Tensor, topk_ids: Optional[torch.Tensor]) -> int:
+    return x.shape[0] * topk_ids.shape[1] if topk_ids is not None else x.shape[0]
+
+
+def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, eps, norm, quant, quant_dtype,
+                   store_y, store_stats):
+    """Run ``_row_forward`` on 2-D x; returns (y, q, row_scale, s, mean, rstd), empty where not asked."""
+    M, N = forward_rows(x, topk_ids), x.shape[1]
+    quantise = quant != "none"
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device) if store_y else _empty(x)
+    q = torch.empty((M, N), dtype=quant_dtype, device=x.device) if quantise else _empty(x)
+    scale = torch.empty(M, dtype=torch.float32, device=x.device) if quantise else _empty(x)
+    s = torch.empty((M, N), dtype=x.dtype, device=x.device) if residual is not None else _empty(x)
+    mean, rstd = ((torch.empty(M, dtype=torch.float32, device=x.device) for _ in range(2)) if store_stats
+                  else (_empty(x), _empty(x)))
+    if M == 0:
+        return y, q, scale, s, mean, rstd
+    config = kern.forward_config(N, x.device)
+    one_pass = N <= config.block_n
+    kern._row_forward[(kern.forward_grid(M, N, config, x.device),)](
+        x, residual, x_bias, weight, bias, smooth_scale, topk_ids,
+        y if store_y else None, q if quantise else None, scale if quantise else None,
+        s if residual is not None else None, mean if store_stats else None, rstd if store_stats else None,
+        M, N, x.shape[0], smooth_scale.shape[0] if topk_ids is not None else 1,
+        x.stride(0), x.stride(1),
+        residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
+        smooth_scale.stride(0) if topk_ids is not None else 0,
+        topk_ids.stride(0) if topk_ids is not None else 0, topk_ids.stride(1) if topk_ids is not None else 0,
+        eps,
+        NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_B=bias is not None, HAS_XBIAS=x_bias is not None,
+        HAS_RESIDUAL=residual is not None, QUANT=kern.QUANTS[None if quant == "none" else quant],
+        QMAX=QUANT_MAX.get(quant_dtype, 1.0), IS_MOE=topk_ids is not None, STORE_Y=store_y,
+        STORE_STATS=store_stats, ONE_PASS=one_pass, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        num_warps=config.num_warps)
+    return y, q, scale, s, mean, rstd
+
+
+def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_db):
+    """dx ``[M, N]`` in x's dtype and dw, db ``[N]`` fp32 (empty where not wanted)."""
+    M, N = x.shape
+    dx = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    config = kern.backward_config(N, norm, x.device)
+    row_programs, split_n = kern.backward_grid(M, N, config, x.device)
+    dw_part = torch.empty((row_programs, N), dtype=torch.float32, device=x.device) if want_dw else None
+    db_part = torch.empty((row_programs, N), dtype=torch.float32, device=x.device) if want_db else None
+    if M:
+        kern._row_backward[(row_programs * split_n,)](
+            x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part,
+            M, N, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1),
+            ds.stride(0) if ds is not None else 0, ds.stride(1) if ds is not None else 0,
+            NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_XBIAS=x_bias is not None, HAS_DS=ds is not None,
+            WANT_DW=want_dw, WANT_DB=want_db, SPLIT_N=split_n, PREFETCH=config.prefetch and split_n == 1,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps)
+    grads = []
+    for want, part in ((want_dw, dw_part), (want_db, db_part)):
+        if not want:
+            grads.append(_empty(x))
+        elif M == 0:
+            grads.append(torch.zeros(N, dtype=torch.float32, device=x.device))
+        else:
+            out = torch.empty(N, dtype=torch.float32, device=x.device)
+            # narrow column blocks: one program per 64 columns keeps enough of them in flight
+            kern._sum_rows[(cdiv(N, 64),)](part, out, row_programs, N, BLOCK_R=32, BLOCK_N=64, num_warps=4)
+            grads.append(out)
+    return dx, grads[0], grads[1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# torch.library ops
+
+
+@torch.library.custom_op("tilekernels::row_norm_forward", mutates_args=())
+def _forward_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                residual: Optional[torch.Tensor], x_bias: Optional[torch.Tensor],
+                smooth_scale: Optional[torch.Tensor], topk_ids: Optional[torch.Tensor], eps: float, norm: str,
+                quant: str, quant_dtype: torch.dtype, store_y: bool, store_stats: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, q, row_scale, s, mean, rstd) of 2-D x; the public functions have checked every argument."""
+    return launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, eps, norm, quant,
+                          quant_dtype, store_y, store_stats)
+
+
+@_forward_op.register_fake
+def _(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, eps, norm, quant, quant_dtype, store_y,
+      store_stats):
+    M, N = forward_rows(x, topk_ids), x.shape[1]
+    quantise = quant != "none"
+
+    def nothing():   # one empty tensor per output: the real op's outputs never alias
+        return x.new_empty(0, dtype=torch.float32)
+
+    return (x.new_empty((M, N)) if store_y else nothing(),
+            x.new_empty((M, N), dtype=quant_dtype) if quantise else nothing(),
+            x.new_empty(M, dtype=torch.float32) if quantise else nothing(),
+            x.new_empty((M, N)) if residual is not None else nothing(),
+            x.new_empty(M, dtype=torch.float32) if store_stats else nothing(),
+            x.new_empty(M, dtype=torch.float32) if store_stats else nothing())
+
+
+@torch.library.custom_op("tilekernels::row_norm_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, x_bias: Optional[torch.Tensor], ds: Optional[torch.Tensor],
+                 weight: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor, norm: str, want_dw: bool,
+                 want_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db) of the forward above: dw, db fp32 ``[N]`` (empty when not wanted)."""
+    return launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_db)
+
+
+@_backward_op.register_fake
+def _(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_db):
+    N = x.shape[1]
+    return (x.new_empty(x.shape), x.new_empty(N if want_dw else 0, dtype=torch.float32),
+            x.new_empty(N if want_db else 0, dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# autograd (unquantised path; row_scale, mean and rstd carry no gradient)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, x_bias = inputs[:5]
+    norm = inputs[8]
+    s, mean, rstd = output[3], output[4], output[5]
+    # The norm saw s (the rounded sum) when there is a residual, else x + x_bias.
+    normed = s if residual is not None else x
+    ctx.save_for_backward(normed, x_bias if residual is None else None, weight, mean, rstd)
+    ctx.norm = norm
+    ctx.has = (weight is not None, bias is not None, residual is not None, x_bias is not None)
+    ctx.dtypes = tuple(t.dtype if t is not None else None for t in (weight, bias, x_bias))
+
+
+def _backward(ctx, dy, dq, dscale, ds, dmean, drstd):
+    normed, x_bias, weight, mean, rstd = ctx.saved_tensors
+    has_w, has_b, has_residual, has_xbias = ctx.has
+    if dy is None or dy.numel() == 0:
+        dy = torch.zeros_like(normed)
+    if ds is not None and ds.numel() == 0:
+        ds = None
+    want_dw = has_w and ctx.needs_input_grad[1]
+    want_db = has_b and ctx.needs_input_grad[2]
+    dx, dw, db = _backward_op(dy, normed, x_bias, ds if has_residual else None, weight, mean, rstd, ctx.norm,
+                              want_dw, want_db)
+    w_dtype, b_dtype, xb_dtype = ctx.dtypes
+    d_xbias = None
+    if has_xbias and ctx.needs_input_grad[4]:
+        d_xbias = dx.sum(dim=0, dtype=torch.float32).to(xb_dtype)
+    return (dx, dw.to(w_dtype) if want_dw else None, db.to(b_dtype) if want_db else None,
+            dx if has_residual else None, d_xbias, None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("tilekernels::row_norm_forward", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
+# public
+
+
+def _norm(norm, x, weight, bias, eps, residual, x_bias, quant, smooth_scale, quant_dtype, return_unquantized):
+    check_rows("x", x)
+    N = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias), ("x_bias", x_bias)):
+        check_vector(name, t, (N,), x)
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if residual.device != x.device:
+            raise ValueError(f"residual must be on x's device {x.device}, got {residual.device}")
+    eps = _check_eps(eps)
+    if quant not in ("dynamic", "smooth", None):
+        raise ValueError(f"quant must be None, 'dynamic' or 'smooth', got {quant!r}")
+    if quant == "smooth" and smooth_scale is None:
+        raise ValueError("smooth_scale is required with quant='smooth'")
+    if quant != "smooth" and smooth_scale is not None:
+        raise ValueError(f"smooth_scale is only used with quant='smooth' (quant is {quant!r})")
+    check_vector("smooth_scale", smooth_scale, (N,), x)
+    if quant is not None:
+        check_quant_dtype(quant_dtype)
+        _check_no_grad(f"{norm}_norm", x, weight, bias, residual, x_bias, smooth_scale)
+    if not isinstance(return_unquantized, bool):
+        raise TypeError(f"return_unquantized must be a bool, got {type(return_unquantized).__name__}")
+    if return_unquantized and quant is None:
+        raise ValueError("return_unquantized=True needs quant='dynamic' or 'smooth' (without quant, y is returned)")
+    store_y = quant is None or return_unquantized
+    store_stats = quant is None and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias, residual, x_bias))
+    y, q, scale, s, _, _ = _forward_op(
+        rows_view(x), _vector(weight), _vector(bias), None if residual is None else rows_view(residual),
+        _vector(x_bias), _vector(smooth_scale), None, eps, norm, quant or "none",
+        quant_dtype if quant is not None else torch.int8, store_y, store_stats)
+    outputs = [q.view(x.shape), scale.view(x.shape[:-1])] if quant is not None else []
+    if store_y:
+        outputs.append(y.view(x.shape))
+    if residual is not None:
+        outputs.append(s.view(x.shape))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def layer_norm(x, weight, bias=None, eps=1e-5, *, residual=None, x_bias=None, quant=None, smooth_scale=None,
+               quant_dtype=torch.int8, return_unquantized=False):
+    """Layer norm over the last dim, with an optional fused residual add and quantised output.
+
+    x ``[..., N]`` fp32/fp16/bf16, any strides; weight, bias, x_bias ``[N]`` (or None), any float dtype.
+    The row normalised is ``v = x + x_bias`` (fp32), or with ``residual`` (x's shape and dtype)
+    ``s = x + x_bias + residual`` rounded to x's dtype; ``y = (v - mean) / sqrt(var + eps) * weight + bias``
+    (biased variance), computed in fp32 and returned in x's dtype.
+
+    Returns ``y``, or ``(y, s)`` with a residual. With ``quant="dynamic"`` (or ``"smooth"``, which first
+    multiplies y by ``smooth_scale [N]``) y is replaced by ``q, row_scale`` -- or ``q, row_scale, y``
+    with ``return_unquantized=True`` --: ``row_scale = max|z| / QMAX`` per row (fp32, x's leading
+    shape; 0 for a row of zeros), ``q = z / row_scale`` as ``quant_dtype`` (int8: rounded half to
+    even, QMAX 127; torch.float8_e4m3fn: QMAX 448), from the fp32 z. Rows up to 32768 columns are read
+    once and kept in registers; longer ones take a chunked multi-pass scheme.
+
+    Backward (quant=None): gradients for x, weight, bias, residual and x_bias; dweight and dbias are
+    reduced in a fixed order, so they are bit-identical run to run.
+
+    Example::
+
+        x = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn_like(x)
+        w, b = torch.ones(8192, device="cuda"), torch.zeros(8192, device="cuda")
+        y, h = tk.layer_norm(x, w, b, residual=h)                       # y = LN(x + h), h = x + h
+        q, scale = tk.layer_norm(x, w, b, quant="dynamic")              # int8 rows and their scales
+    """
+    return _norm("layer", x, weight, bias, eps, residual, x_bias, quant, smooth_scale, quant_dtype,
+                 return_unquantized)
+
+
+def rms_norm(x, weight, eps=1e-6, *, residual=None, quant=None, smooth_scale=None, quant_dtype=torch.int8,
+             return_unquantized=False):
+    """RMS norm over the last dim: ``y = v / sqrt(mean(v^2) + eps) * weight``, v as in ``layer_norm``.
+
+    Same shapes, residual, quantisation and outputs as ``tk.layer_norm`` (no bias, no x_bias).
+    Backward (quant=None): gradients for x, weight and residual, dweight deterministic.
+
+    Example::
+
+        y, h = tk.rms_norm(x, w, residual=h)      # the pre-norm block of a Llama layer
+    """
+    return _norm("rms", x, weight, None, eps, residual, None, quant, smooth_scale, quant_dtype, return_unquantized)
+
+
+def add_rms_norm_quant(a, b, weight, eps=1e-6, quant_dtype=torch.int8):
+    """``(q, row_scale, a + b)``: ``rms_norm(a, weight, eps, residual=b, quant="dynamic")`` (CK Tile's
+    11_add_rmsnorm2d_rdquant). a, b ``[..., N]`` of one dtype and shape; q int8 or float8_e4m3fn."""
+    if not isinstance(b, torch.Tensor):
+        raise TypeError(f"b must be a torch.Tensor, got {type(b).__name__}")
+    check_rows("a", a)
+    if b.dtype != a.dtype or b.shape != a.shape or b.device != a.device:
+        raise ValueError(f"b must have a's shape, dtype and device ({tuple(a.shape)}, {a.dtype}, {a.device}), "
+                         f"got {tuple(b.shape)}, {b.dtype}, {b.device}")
+    return _norm("rms", a, weight, None, eps, b, None, "dynamic", None, quant_dtype, False)

@@ -7,15 +7,19 @@
 #   NPROC=4 scripts/gpu_lane.sh multigpu bench-dist  # tk.dist: tests on every visible GPU, then the torchrun benches on NPROC
 #   BENCH_ARGS="--shapes 8192x8192x8192" scripts/gpu_lane.sh bench
 #   TEST_PATHS=tests/attention CHECK_ARGS="--op flash_attn" scripts/gpu_lane.sh tests check bench-attn
+#   NORM_OPS="layer_norm rms_norm" NORM_BENCH_ARGS="--quant-dtype int8,fp8e4m3" scripts/gpu_lane.sh bench-norm
 #
 # Steps: info, tests (pytest -m gpu), check (python -m tilekernels check), bench (gemm, --out $OUT),
 # bench-attn (flash_attn, --out $OUT), bench-paged (batch_prefill then batch_decode, --out $OUT),
-# sweep (gemm --sweep, --out $OUT). Every step runs even after another failed; the exit status is
-# non-zero if any did. Only a few files come back from the device machine, so everything goes to
-# ${OUT:-/tmp/out} as at most six: lane.log (every step's output), gemm.{json,txt,png} from bench and
-# gemm-sweep.{json,txt} from sweep. Import the JSON here afterwards with
+# bench-norm (each of NORM_OPS, default the six norm/quant ops of issue 7, then their rows merged into
+# $OUT/norm.json and their tables into $OUT/norm.txt), sweep (gemm --sweep, --out $OUT). Every step runs
+# even after another failed; the exit status is non-zero if any did. Only a few files come back from the
+# device machine (8 at most), so everything goes to ${OUT:-/tmp/out} as at most six: lane.log (every
+# step's output), gemm.{json,txt,png} from bench and gemm-sweep.{json,txt} from sweep (bench-norm: the
+# two merged files; its plots are dropped). Import the JSON here afterwards with
 #   python -m tilekernels bench --update-results <files_at>/gemm.json <files_at>/gemm-graph.json ...
-# (a --cuda-graph run writes gemm-graph.*, a sweep gemm-sweep.*).
+# (a --cuda-graph run writes gemm-graph.*, a sweep gemm-sweep.*; norm.json holds rows of several ops,
+# each filed under its own op).
 set -o pipefail
 
 # NVLink multicast stays off on these machines (see DESIGN.md); source tree on the path, no buffering
@@ -48,6 +52,20 @@ run_step() {
     elif [ "$rc" -ne 0 ]; then
         failed+=("$name (exit $rc)")
     fi
+}
+
+# The rows and tables of the runs in folder $1 (one <op>.json and <op>.txt each) as $OUT/$2.json and
+# $OUT/$2.txt, oldest run first; the folder goes once they are merged.
+merge_runs() {
+    "$PY" - "$1" "$OUT/$2" <<'EOF' && rm -rf "$1"
+import json, pathlib, sys
+folder, stem = pathlib.Path(sys.argv[1]), sys.argv[2]
+runs = sorted(folder.glob("*.json"), key=lambda f: f.stat().st_mtime)
+rows = [row for f in runs for row in json.loads(f.read_text())]
+pathlib.Path(stem + ".json").write_text(json.dumps(rows, indent=1) + "\n")
+pathlib.Path(stem + ".txt").write_text("\n\n".join(f.with_suffix(".txt").read_text() for f in runs))
+print(f"merged {len(rows)} rows of {len(runs)} runs into {stem}.json and {stem}.txt")
+EOF
 }
 
 for step in "${steps[@]}"; do
@@ -92,13 +110,22 @@ for step in "${steps[@]}"; do
             # shellcheck disable=SC2086
             run_step bench-decode "$PY" -m tilekernels bench batch_decode --out "$OUT" $PAGED_BENCH_ARGS
             ;;
+        bench-norm)
+            # One bench per op into $OUT/norm, merged below: six ops' json/txt/png would be more files
+            # than come back. NORM_BENCH_ARGS is a list of options, NORM_OPS a list of ops.
+            for op in ${NORM_OPS:-layer_norm rms_norm add_rms_norm_quant dynamic_quant smooth_quant moe_smooth_quant}; do
+                # shellcheck disable=SC2086
+                run_step "bench-$op" "$PY" -m tilekernels bench "$op" --out "$OUT/norm" $NORM_BENCH_ARGS
+            done
+            run_step bench-norm-merge merge_runs "$OUT/norm" norm
+            ;;
         sweep)
             # shellcheck disable=SC2086
             run_step sweep "$PY" -m tilekernels bench gemm --sweep --out "$OUT" \
                 ${SWEEP_SHAPES:+--shapes "$SWEEP_SHAPES"} --budget-s "${SWEEP_BUDGET_S:-420}" $SWEEP_ARGS
             ;;
         *)
-            echo "=== unknown step '$step' (steps: info tests check bench bench-attn bench-paged sweep multigpu bench-dist)" | tee -a "$LOG"
+            echo "=== unknown step '$step' (steps: info tests check bench bench-attn bench-paged bench-norm sweep multigpu bench-dist)" | tee -a "$LOG"
             failed+=("$step (unknown step)")
             ;;
     esac

@@ -24,7 +24,7 @@ provides:
   its own ``metric``, which its rows, tables and plots show.
 
 An entry ``"module:ATTRIBUTE"`` names an object in a module that provides the above, for op families
-that share one bench module (``bench/dist.py``, ``bench/paged.py``).
+that share one bench module (``bench/dist.py``, ``bench/paged.py``, ``bench/norm.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ OPS: dict[str, str] = {
     "flash_attn": "tilekernels.bench.attention",
     "batch_prefill": "tilekernels.bench.paged:BATCH_PREFILL",
     "batch_decode": "tilekernels.bench.paged:BATCH_DECODE",
+    "layer_norm": "tilekernels.bench.norm:LAYER_NORM",
+    "rms_norm": "tilekernels.bench.norm:RMS_NORM",
+    "add_rms_norm_quant": "tilekernels.bench.norm:ADD_RMS_NORM_QUANT",
+    "dynamic_quant": "tilekernels.bench.norm:DYNAMIC_QUANT",
+    "smooth_quant": "tilekernels.bench.norm:SMOOTH_QUANT",
+    "moe_smooth_quant": "tilekernels.bench.norm:MOE_SMOOTH_QUANT",
 }
 
 

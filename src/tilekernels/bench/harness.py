@@ -62,6 +62,13 @@ FALLBACK_L2_BYTES = 60 * 2**20
 ROTATION_MEMORY_FRACTION = 0.25
 MAX_ROTATION = 64
 
+# The copy that measures the device's bandwidth, the ceiling of memory-bound ops (bytes of the source
+# tensor; ``copy_bandwidth_tbps``).
+COPY_BYTES_GPU = 2**30
+COPY_BYTES_CPU = 2**22
+COPY_SEED = 97
+_copy_tbps: dict[str, float] = {}
+
 # A case's metric -> the unit its rows, tables and plots show: work per call (FLOPs or bytes) / 1e12 / s.
 METRIC_UNITS = {"tflops": "TFLOP/s", "tbps": "TB/s"}
 
@@ -312,6 +319,23 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: float, rep: 
         samples.append((time.perf_counter() - start) * 1e3)
     cuts = statistics.quantiles(samples, n=10, method="inclusive")
     return [cuts[1], statistics.median(samples), cuts[7]]
+
+
+def copy_bandwidth_tbps(device: torch.device, warmup: float, rep: float) -> float:
+    """The device's copy bandwidth in TB/s, (bytes read + bytes written) / median time of a large
+    device-to-device ``.copy_``; measured once per process and device. Memory-bound ops compare their
+    own TB/s with it (batch_decode's floor, the norms' copy fraction)."""
+    key = str(device)
+    if key not in _copy_tbps:
+        nbytes = COPY_BYTES_GPU if device.type == "cuda" else COPY_BYTES_CPU
+        src = device_random((nbytes // 2,), torch.bfloat16, device, COPY_SEED)
+        dst = torch.empty_like(src)
+        _, ms50, _ = time_ms(lambda: dst.copy_(src), device, warmup, rep)
+        _copy_tbps[key] = 2 * nbytes / (ms50 * 1e-3) / 1e12
+        del src, dst
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return _copy_tbps[key]
 
 
 class Run:

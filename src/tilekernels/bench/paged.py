@@ -100,18 +100,20 @@ from . import harness
 from .attention import parse_masked_shapes
 from .check import CheckCase
 from .harness import (
+    COPY_BYTES_CPU,
+    COPY_BYTES_GPU,
     DTYPES,
     OURS,
     Accuracy,
     BenchCase,
     UsageError,
+    copy_bandwidth_tbps,
     device_random,
     dtype_name,
     format_table,
     parse_dims,
     shape_items,
     shape_label,
-    time_ms,
     tk_function,
 )
 
@@ -144,12 +146,6 @@ DECODE_GOAL_MIN_KEYS = 8192
 
 # ANCHORS.md: SDPA on GQA-expanded K/V, bf16, one H100, 1.40 ms for both decode shapes.
 ANCHOR_SDPA_DECODE_MS = {(32, 32, 8, 8192, 128): 1.40, (8, 32, 8, 32768, 128): 1.40}
-
-# The copy that measures the device's bandwidth for the decode floor (bytes of the source tensor).
-COPY_BYTES_GPU = 2**30
-COPY_BYTES_CPU = 2**22
-COPY_SEED = 97
-_copy_tbps: dict[str, float] = {}
 
 FLEX_Q_BLOCK = 128
 FLEX_MIN_KEY_BLOCK = 16       # tl.dot's smallest N
@@ -214,22 +210,6 @@ def prefill_flops(shape: dict) -> float:
 def decode_kv_bytes(shape: dict, kv_dtype: torch.dtype) -> int:
     """The bytes of K and V the batch reads once: ``B * Sk * Hkv * D * 2 * element size``."""
     return shape["B"] * shape["Sk"] * shape["Hkv"] * shape["D"] * 2 * kv_dtype.itemsize
-
-
-def copy_bandwidth_tbps(device: torch.device, warmup: float, rep: float) -> float:
-    """The device's copy bandwidth in TB/s, (bytes read + bytes written) / median time of a large
-    device-to-device ``.copy_``; measured once per process and device."""
-    key = str(device)
-    if key not in _copy_tbps:
-        nbytes = COPY_BYTES_GPU if device.type == "cuda" else COPY_BYTES_CPU
-        src = device_random((nbytes // 2,), torch.bfloat16, device, COPY_SEED)
-        dst = torch.empty_like(src)
-        _, ms50, _ = time_ms(lambda: dst.copy_(src), device, warmup, rep)
-        _copy_tbps[key] = 2 * nbytes / (ms50 * 1e-3) / 1e12
-        del src, dst
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return _copy_tbps[key]
 
 
 def anchor(row: dict):

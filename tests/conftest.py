@@ -7,6 +7,8 @@
 - Markers: ``gpu`` and ``multigpu`` tests are skipped without CUDA (multigpu also without two GPUs);
   ``slow`` tests are skipped in the CPU lane unless selected with ``-m`` (pyproject's contract).
 - Every test starts from a seed derived from its node id, so it is reproducible alone or in a run.
+- ``poison_allocations`` fixture: every uninitialised tensor torch allocates comes NaN-filled, for ops
+  that allocate their own outputs (no ``out=`` to poison).
 """
 
 from __future__ import annotations
@@ -69,3 +71,18 @@ def _seed_per_test(request):
     random.seed(seed)
     torch.manual_seed(seed)
     numpy.random.seed(seed)
+
+
+@pytest.fixture
+def poison_allocations():
+    """Every tensor torch allocates uninitialised (the ops' outputs) comes NaN-filled (integers: their
+    maximum): torch's deterministic mode, warn-only so that no op is refused."""
+    old_mode, old_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    old_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old_mode, warn_only=old_warn)
+        torch.utils.deterministic.fill_uninitialized_memory = old_fill

@@ -52,21 +52,6 @@ LAYOUTS = ("2d", "padded", "step", "1d", "3d", "3d-transposed")
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture
-def poison_allocations():
-    """Every tensor torch allocates uninitialised (the ops' outputs) comes NaN-filled (integers: their
-    maximum): torch's deterministic mode, warn-only so that no op is refused."""
-    old_mode, old_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    old_fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old_mode, warn_only=old_warn)
-        torch.utils.deterministic.fill_uninitialized_memory = old_fill
-
-
 # ====================================================================================================
 # cases, inputs and the checks every test uses
 

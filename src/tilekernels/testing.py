@@ -13,6 +13,7 @@ instead of a hand-tuned atol/rtol.
   measure PyTorch's low-precision error).
 - ``compare`` / ``assert_close``: the error-ratio rule, reporting relative RMS error, max error and
   where the worst element is.
+- ``capture_graph``: a CUDA graph of a step, warmed up (compiled) outside the capture.
 """
 
 from __future__ import annotations
@@ -209,3 +210,22 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: tor
     if not result.passed:
         raise AssertionError(str(result))
     return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+def capture_graph(step, warmups: int = 2):
+    """``(graph, outputs)``: ``step()`` run ``warmups`` times on a side stream (so kernels compile and
+    caches fill outside the capture), then captured once; replaying ``graph`` rewrites ``outputs``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import tilekernels as tk
 from tilekernels.attention._fwd import draw_philox_seed, dropout_keep_mask
 from tilekernels.attention.reference import reference_attention
-from tilekernels.testing import assert_close, random_tensor
+from tilekernels.testing import assert_close, capture_graph, random_tensor
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -767,15 +767,7 @@ def test_gpu_cuda_graph_varlen(causal, device):
                                                 **options)
         return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm up outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        results = step()
+    graph, results = capture_graph(step)
 
     for i, mix in enumerate(mixes[1:] + mixes[:1]):
         cu.copy_(cu_seqlens(mix, device))

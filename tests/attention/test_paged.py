@@ -45,7 +45,7 @@ from tilekernels.attention.reference import (
     reference_merge_states,
     reference_paged_attention,
 )
-from tilekernels.testing import assert_close, poisoned, random_tensor
+from tilekernels.testing import assert_close, capture_graph, poisoned, random_tensor
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -922,15 +922,7 @@ def test_gpu_cuda_graph(table, device):
         decode = tk.batch_decode(q_decode, k_cache, v_cache, return_lse=True, num_splits=3, **table_kwargs)
         return (*prefill, *decode)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm up outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        results = step()
+    graph, results = capture_graph(step)
 
     for i, (lengths_q, lengths_k) in enumerate(zip(mixes_q[1:] + mixes_q[:1], mixes_k[1:] + mixes_k[:1])):
         paged = paged_for(lengths_k)

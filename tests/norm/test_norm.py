@@ -39,7 +39,7 @@ from tilekernels.norm.reference import (
     reference_quant,
     reference_rms_norm,
 )
-from tilekernels.testing import assert_close, random_tensor
+from tilekernels.testing import assert_close, capture_graph, random_tensor
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -797,15 +797,7 @@ def test_gpu_cuda_graph(op, device):
     grad_y, grad_s = _grad_outputs(case, inputs)
     smooth_scale = torch.rand(case.N, device=device) + 0.5
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm up outside the capture
-            _graph_step(case, inputs, grad_y, grad_s, smooth_scale)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        results = _graph_step(case, inputs, grad_y, grad_s, smooth_scale)
+    graph, results = capture_graph(lambda: _graph_step(case, inputs, grad_y, grad_s, smooth_scale))
 
     keys = grad_leaves(case, inputs)
     for replay in range(2):

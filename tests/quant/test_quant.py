@@ -34,7 +34,7 @@ from tilekernels.norm.reference import (
     reference_quant,
     reference_rms_norm,
 )
-from tilekernels.testing import random_tensor
+from tilekernels.testing import capture_graph, random_tensor
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -425,15 +425,7 @@ def test_gpu_cuda_graph(device):
         return (*tk.dynamic_quant(x, torch.float8_e4m3fn), *tk.smooth_quant(x, smooth_scale[1], torch.int8),
                 *tk.moe_smooth_quant(x, smooth_scale, topk_ids, torch.float8_e4m3fn))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile and warm up outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        results = step()
+    graph, results = capture_graph(step)
 
     for replay in range(2):
         x.copy_(rows(T, H, torch.bfloat16, device))

@@ -524,6 +524,24 @@ def _ratio_summary(name: str, ratios: dict[str, float], scope: str) -> str | Non
             f"min {ratios[worst]:.3f} at {worst}")
 
 
+def table_groups(rows: Sequence[dict]) -> list[tuple[tuple, list[dict], list[str], dict, list[str]]]:
+    """Rows as the tables show them: per (op, variant, dtype, layout), in first-seen order,
+    ``(key, rows, providers with ours first, {(shape label, provider): row}, shape labels)``."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["variant"], r["dtype"], r["layout"]), []).append(r)
+    tables = []
+    for key, group in groups.items():
+        providers = list(dict.fromkeys(r["provider"] for r in group))
+        if OURS in providers:
+            providers.remove(OURS)
+            providers.insert(0, OURS)
+        cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
+        shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
+        tables.append((key, group, providers, cells, shapes))
+    return tables
+
+
 def report(rows: Sequence[dict], op_module=None, markdown: bool = False,
            interpreter_note: bool = True) -> str:
     """Tables of one run's rows: one table per (variant, dtype, layout), ours first, then ratios.
@@ -534,20 +552,11 @@ def report(rows: Sequence[dict], op_module=None, markdown: bool = False,
     """
     anchor_fn = getattr(op_module, "anchor", None)
     anchor_provider = getattr(op_module, "ANCHOR_PROVIDER", None)
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault((r["op"], r["variant"], r["dtype"], r["layout"]), []).append(r)
     blocks = []
     if interpreter_note and any(r.get("interpreter") for r in rows):
         blocks.append(("> " if markdown else "") + INTERPRETER_WARNING)
-    for (op, variant, dtype, layout), group in groups.items():
-        providers = list(dict.fromkeys(r["provider"] for r in group))
-        if OURS in providers:
-            providers.remove(OURS)
-            providers.insert(0, OURS)
+    for (op, variant, dtype, layout), group, providers, cells, shapes in table_groups(rows):
         others = [p for p in providers if p != OURS] if OURS in providers else []
-        cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
-        shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
         anchors: dict[str, tuple[str, float]] = {}
         if anchor_fn is not None:
             for r in group:

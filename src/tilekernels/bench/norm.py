@@ -109,6 +109,7 @@ from .harness import (
     parse_dims,
     shape_items,
     shape_label,
+    table_groups,
     tk_function,
 )
 
@@ -473,9 +474,10 @@ def eager_quant(z: torch.Tensor, quant_dtype: torch.dtype) -> tuple[torch.Tensor
 # allowance: one step, or the relative tolerance at the worst element)
 
 
-def quant_steps(q: torch.Tensor) -> torch.Tensor:
+def step_index(q: torch.Tensor) -> torch.Tensor:
     """q's values as integer steps (int64), so neighbours differ by 1: int8 as it is; float8_e4m3fn by
-    its sign and magnitude bits (NaN, magnitude 0x7F, maps far beyond any value)."""
+    its sign and magnitude bits (NaN, magnitude 0x7F, maps far beyond any value). Not
+    ``norm.reference.quant_steps``, which measures distance from the exact value for the tests' stricter rule."""
     if q.dtype == torch.int8:
         return q.to(torch.int64)
     bits = q.view(torch.uint8).to(torch.int64)
@@ -490,7 +492,7 @@ def compare_steps(name: str, q: torch.Tensor, ref: torch.Tensor, steps: int = 1)
         raise AssertionError(f"{name}: shape {tuple(q.shape)} != reference shape {tuple(ref.shape)}")
     if q.dtype != ref.dtype:
         raise AssertionError(f"{name}: dtype {q.dtype} != reference dtype {ref.dtype}")
-    out_steps, ref_steps = quant_steps(q.detach().cpu()), quant_steps(ref.detach().cpu())
+    out_steps, ref_steps = step_index(q.detach().cpu()), step_index(ref.detach().cpu())
     diff = (out_steps - ref_steps).abs()
     max_err = float(diff.max()) if diff.numel() else 0.0
     worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else ()
@@ -792,19 +794,10 @@ def _goal_verdict(group: Sequence[dict], variant: str, providers: Sequence[str])
 def goals_tables(rows: Sequence[dict], markdown: bool = False) -> str:
     """Per (op, pass, dtype, layout): each provider's copy fraction, ours/eager and ours/compile per
     shape, and the line judging issue 7's goal."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if "copy_fraction" in r:
-            groups.setdefault((r["op"], r["variant"], r["dtype"], r["layout"]), []).append(r)
     blocks = []
-    for (op, variant, dtype, layout), group in groups.items():
-        providers = list(dict.fromkeys(r["provider"] for r in group))
-        if OURS in providers:
-            providers.remove(OURS)
-            providers.insert(0, OURS)
+    for (op, variant, dtype, layout), group, providers, cells, shapes in table_groups(
+            [r for r in rows if "copy_fraction" in r]):
         others = [p for p in providers if p != OURS] if OURS in providers else []
-        cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
-        shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
         headers = ["shape", "MB moved", "copy TB/s"] + [f"{p}/copy" for p in providers] + [f"ours/{p}" for p in others]
         body = []
         for s in shapes:

@@ -114,6 +114,7 @@ from .harness import (
     parse_dims,
     shape_items,
     shape_label,
+    table_groups,
     tk_function,
 )
 
@@ -701,18 +702,9 @@ def _prefill_goals(rows: Sequence[dict], markdown: bool) -> str:
 
 
 def _decode_floor(rows: Sequence[dict], markdown: bool) -> str:
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if "floor_ms" in r:
-            groups.setdefault((r["op"], r["variant"], r["dtype"], r["layout"]), []).append(r)
     blocks = []
-    for (op, variant, dtype, layout), group in groups.items():
-        providers = list(dict.fromkeys(r["provider"] for r in group))
-        if OURS in providers:
-            providers.remove(OURS)
-            providers.insert(0, OURS)
-        cells = {(shape_label(r["shape"]), r["provider"]): r for r in group}
-        shapes = list(dict.fromkeys(shape_label(r["shape"]) for r in group))
+    for (op, variant, dtype, layout), group, providers, cells, shapes in table_groups(
+            [r for r in rows if "floor_ms" in r]):
         headers = ["shape", "KV MB", "copy TB/s", "floor ms"] + [f"{p} ms" for p in providers]
         headers += [f"{p}/floor" for p in providers]
         body, worst = [], None

@@ -49,12 +49,12 @@ from .._runtime import INTERPRET, cast_for_store, is_interpreter, sm_count
 NORM_NONE = tl.constexpr(0)
 NORM_LAYER = tl.constexpr(1)
 NORM_RMS = tl.constexpr(2)
-NORMS = {"none": 0, "layer": 1, "rms": 2}
+NORMS = {"none": NORM_NONE.value, "layer": NORM_LAYER.value, "rms": NORM_RMS.value}
 
 QUANT_NONE = tl.constexpr(0)
 QUANT_DYNAMIC = tl.constexpr(1)
 QUANT_SMOOTH = tl.constexpr(2)
-QUANTS = {None: 0, "dynamic": 1, "smooth": 2}
+QUANTS = {None: QUANT_NONE.value, "dynamic": QUANT_DYNAMIC.value, "smooth": QUANT_SMOOTH.value}
 
 ROUND_HALF_EVEN = tl.constexpr(12582912.0)   # 1.5 * 2^23
 

@@ -66,7 +66,7 @@ def _check_eps(eps) -> float:
     return float(eps)
 
 
-def _check_no_grad(op: str, *tensors) -> None:
+def check_no_grad(op: str, *tensors) -> None:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise ValueError(f"{op}: quantised outputs have no backward; call it under torch.no_grad() or with "
                          "inputs that do not require grad (the unquantised path, quant=None, has one)")
@@ -269,7 +269,7 @@ def _norm(norm, x, weight, bias, eps, residual, x_bias, quant, smooth_scale, qua
     check_vector("smooth_scale", smooth_scale, (N,), x)
     if quant is not None:
         check_quant_dtype(quant_dtype)
-        _check_no_grad(f"{norm}_norm", x, weight, bias, residual, x_bias, smooth_scale)
+        check_no_grad(f"{norm}_norm", x, weight, bias, residual, x_bias, smooth_scale)
     if not isinstance(return_unquantized, bool):
         raise TypeError(f"return_unquantized must be a bool, got {type(return_unquantized).__name__}")
     if return_unquantized and quant is None:

@@ -705,6 +705,31 @@ def test_gpu_large(layout, dtype, M, N, K, device):
 
 
 @gpu
+def test_gpu_large_tile_fp32_out(device):
+    # The 128x256 tile's fp32 C does not fit the TMA epilogue's staging, so the pointer epilogue runs;
+    # its layout change needs shared memory beside the operand pipeline if the tile and K loops were
+    # fused (320 KiB: tk.dist's reduce-scatter partials failed to launch until the plan checked it).
+    M, N, K = 4096, 4096, 512
+    a, b = operands(M, N, K, torch.bfloat16, "RR", device)
+    check("fp32-out", tk.gemm(a, b, out_dtype=torch.float32), a, b, out_dtype=torch.float32)
+    signals = torch.ones(2, dtype=torch.int32, device=device)
+    out = tk.gemm(a, b, out_dtype=torch.float32, async_input=tk.AsyncInputScheduler(signals, M // 2, 1))
+    check("fp32-out-async", out, a, b, out_dtype=torch.float32)
+
+
+def test_flatten_only_where_shared_memory_allows():
+    from tilekernels.gemm.gemm import _can_flatten
+
+    large = TUNED_HOPPER_16BIT["large"]  # 128x256x64, 4 stages: 192 KiB of operand buffers
+    a = torch.empty(1, 1, dtype=torch.bfloat16)
+    assert _can_flatten(large, a, 4, tma_epilogue=True, heavy=False)
+    assert not _can_flatten(large, a, 1, tma_epilogue=False, heavy=False)  # + 128 KiB fp32 layout change
+    assert not _can_flatten(large, a, 4, tma_epilogue=True, heavy=True)  # measured slower fused
+    with override_config(large):
+        assert _can_flatten(large, a, 4, tma_epilogue=True, heavy=True)  # the caller's choice
+
+
+@gpu
 @pytest.mark.parametrize("kind", EPILOGUES)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_gpu_epilogue(kind, dtype, device):

@@ -165,6 +165,7 @@ def gemm_kernel(
     num_tiles = tiles_m * tiles_n * SPLIT_K
     acc_dtype = tl.int32 if ACC_INT else tl.float32
     offs_k = tl.arange(0, BLOCK_K)
+    k_tiles_all = tl.cdiv(K, BLOCK_K)
 
     # The epilogue recomputes its tile from its own counter: with FLATTEN the compiler fuses the K
     # loop with the tile loop, and this keeps the epilogue's indices off the pipelined loop's path.
@@ -174,19 +175,27 @@ def gemm_kernel(
         pid_m, pid_n, pid_k = tile_coords(tile_id, tiles_m, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        k_start = pid_k * k_per_split
-        k_end = min(K, k_start + k_per_split)
-        k_tiles = tl.cdiv(k_end - k_start, BLOCK_K)
+        if SPLIT_K == 1:
+            # K bounds the same for every tile: the compiler can then fuse the K loop into the tile
+            # loop (FLATTEN) and prefetch the next tile's operands while this one's epilogue runs.
+            k_start = 0
+            k_end = K
+            k_tiles = k_tiles_all
+        else:
+            k_start = pid_k * k_per_split
+            k_end = min(K, k_start + k_per_split)
+            k_tiles = tl.cdiv(k_end - k_start, BLOCK_K)
         rows_valid = M
         if TRACE:  # (tk.dist trace=True) a wait span and a compute span per tile
             trace_start = trace_clock(trace_clock_ptr)
         if ASYNC_INPUT:
-            # pid_m is the pivoted tile: the rows waited for are the rows read and written. A tile whose
-            # chunk never came runs no K steps (its A loads also depend on the wait's result, through
-            # off_m, so no load of A can be scheduled ahead of the wait) and stores nothing.
+            # pid_m is the pivoted tile: the rows waited for are the rows read and written. The loads
+            # of A depend on the wait's result through off_m, so none can be issued ahead of it. A tile
+            # whose chunk never came keeps its K loop (a fixed trip count keeps the loop fusable) but
+            # reads from row M on (TMA zero-fills them; the pointer path clamps them to row 0) and
+            # stores nothing.
             ready = wait_for_rows(signals, errors, off_m, min(M, off_m + BLOCK_M), rows_per_chunk,
                                   signal_value, max_spins)
-            k_tiles = tl.where(ready, k_tiles, 0)
             off_m = tl.where(ready, off_m, M)
             rows_valid = tl.where(ready, M, 0)
             if TRACE:

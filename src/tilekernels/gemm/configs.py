@@ -33,7 +33,8 @@ class GemmConfig:
     # Warp-specialised persistent loop (producer/consumer warps), where the triton build supports it.
     warp_specialize: bool = False
     # Let the compiler fuse the tile loop with the K loop, so the next tile's loads overlap this
-    # tile's epilogue.
+    # tile's epilogue. It can only with split_k 1 (every tile the same K range); gemm.py's
+    # _can_flatten also keeps them apart where shared memory or a heavy epilogue says so.
     flatten: bool = True
     # Programs resident per SM for the persistent grid.
     programs_per_sm: int = 1

@@ -270,6 +270,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
 
     heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
     slices, plan.c_desc, plan.res_desc = _epilogue_plan(cfg, use_tma, a, c, residual, heavy_epilogue, split_k)
+    flatten = cfg.flatten and _can_flatten(cfg, a, slices, plan.c_desc is not None, heavy_epilogue)
 
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
     plan.num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
@@ -298,7 +299,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         USE_TMA=use_tma, A_TRANS=plan.a_trans, B_TRANS=plan.b_trans, EVEN_K=K % cfg.block_k == 0,
         ACC_INT=plan.acc_int, FP32_PRECISION=precision,
         COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
-        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        FLATTEN=flatten, WARP_SPECIALIZE=cfg.warp_specialize,
         EPILOGUE_SLICES=slices, C_DESC=plan.c_desc is not None, RES_DESC=plan.res_desc is not None,
         **plan.epilogue_flags,
         ASYNC_INPUT=async_input is not None,
@@ -306,6 +307,25 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         TRACE=trace is not None, TRACE_MAX_EVENTS=trace.max_events if trace is not None else 1,
     )
     return plan
+
+
+def _can_flatten(cfg: GemmConfig, a: torch.Tensor, slices: int, tma_epilogue: bool, heavy: bool) -> bool:
+    """Whether the kernel may fuse its tile loop with the K loop (``FLATTEN``; it only can when
+    every tile has the same K range, i.e. split_k 1). Fused, the next tile's operand loads are in
+    flight while this tile's epilogue runs, so the shared memory the pointer epilogue uses to change
+    the accumulator's layout (up to BM x BN/slices fp32) can no longer reuse the operand buffers:
+    without the room for both, the loops stay apart (an fp32 C at 128x256 s4 would need 320 KiB).
+    With a heavy epilogue the unfused loop measured as fast or faster (H100 bf16, bias+gelu+residual:
+    4096^3 578-586 vs 557-559 TFLOP/s, 8192^3 623-633 vs 618-635), so the default keeps them apart
+    there; a config the caller gives is taken as it is.
+    """
+    if not tma_epilogue:
+        pipeline = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * a.element_size()
+        if pipeline + cfg.block_m * (cfg.block_n // slices) * 4 > _SMEM_BUDGET:
+            return False
+    if heavy and active_override() is None:
+        return False
+    return True
 
 
 def _epilogue_plan(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Tensor, residual, heavy: bool,

@@ -30,7 +30,10 @@ once ``chunk_signals[c] >= signal_value``. The protocol, as the kernel runs it:
   is skipped (no loads of A, no store of C) and the program goes on with its other tiles; a later wait
   on a chunk already recorded gives up at once. The host raises ``TimeoutError`` naming the chunk.
 - Cost when every chunk has arrived: one acquire atomic per chunk per tile before its K loop (a 128x256
-  tile over K = 8192 runs ~70 us; the poll is well under 1 us).
+  tile over K = 8192 runs ~70 us; the poll is well under 1 us). When the compiler fuses the K loop
+  into the tile loop (split_k 1, see gemm.py ``_can_flatten``), the next tile's wait runs in the
+  pipeline's load stage, a few K steps before this tile ends, so its loads can start during this
+  tile's epilogue; a chunk that is late then also holds back those last few K steps.
 """
 
 from __future__ import annotations
@@ -106,9 +109,12 @@ def wait_for_rows(signals, errors, row_start, row_end, rows_per_chunk, signal_va
     """Wait for every chunk that rows ``[row_start, row_end)`` of A touch; True if all arrived."""
     first = row_start // rows_per_chunk
     last = (row_end - 1) // rows_per_chunk
-    ready = first >= 0  # True, as a tensor the loop can carry
-    for chunk in range(first, last + 1):
-        ready = ready & wait_chunk(signals, errors, chunk, signal_value, max_spins)
+    ready = wait_chunk(signals, errors, first, signal_value, max_spins)
+    # The loop over further chunks sits inside an `if` on purpose: a loop directly in the tile loop
+    # (its bounds change per tile) would stop the compiler fusing the K loop into the tile loop.
+    if last > first:
+        for chunk in range(first + 1, last + 1):
+            ready = ready & wait_chunk(signals, errors, chunk, signal_value, max_spins)
     return ready
 
 

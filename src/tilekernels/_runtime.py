@@ -303,6 +303,40 @@ def direct_launcher(compiled, device_index: int):
     return launch
 
 
+class CachedLaunch:
+    """One kernel's launch for one cached call signature: the grid, the constexprs and launch options,
+    and after the first call on a GPU a ``direct_launcher`` that skips triton's per-call binder.
+
+    The caller keys its cache on everything triton specialises on (argument dtypes and ``None``-ness,
+    pointer 16-byte alignment, integer values) and passes the runtime arguments in declaration order;
+    the constexprs must be the kernel's trailing parameters, in order (else every call goes through
+    ``jit_fn[grid]``, which is correct, only slower).
+    """
+
+    __slots__ = ("kernel", "grid", "constexprs", "options", "values", "launch")
+
+    def __init__(self, kernel, grid: int, constexprs: dict, **options):
+        self.kernel, self.grid, self.constexprs, self.options = kernel, grid, constexprs, options
+        self.values = tuple(constexprs.values())
+        self.launch = None
+
+    def __call__(self, args: tuple, device: torch.device) -> None:
+        if self.launch is not None:
+            self.launch(self.grid, args + self.values)
+            return
+        compiled = self.kernel[(self.grid,)](*args, **self.constexprs, **self.options)
+        if device.type == "cuda" and list(self.constexprs) == self.kernel.arg_names[len(args):]:
+            self.launch = direct_launcher(compiled, device.index)
+
+
+def cache_put(cache: dict, key, value, limit: int = 1024):
+    """``cache[key] = value``, dropping the oldest entry past ``limit``; returns ``value``."""
+    if len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
+
+
 # ----------------------------------------------------------------------------------------------------
 # error tables: what a kernel whose bounded wait gave up leaves for the host
 

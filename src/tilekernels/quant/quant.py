@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from ..norm.norm import check_no_grad, _forward_op, check_quant_dtype, check_rows, check_vector, rows_view
+from ..norm.norm import check_no_grad, check_quant_dtype, check_rows, check_vector, rows_view, run_forward
 
 
 def _quantise(op, x, smooth_scale, topk_ids, quant_dtype):
     check_quant_dtype(quant_dtype)
     check_no_grad(op, x, smooth_scale)
-    _, q, scale, _, _, _ = _forward_op(rows_view(x), None, None, None, None,
+    _, q, scale, _, _, _ = run_forward(rows_view(x), None, None, None, None,
                                        None if smooth_scale is None else smooth_scale.contiguous(), topk_ids, 0.0,
                                        "none", "dynamic" if smooth_scale is None else "smooth", quant_dtype, False,
                                        False)

@@ -329,6 +329,17 @@ class CachedLaunch:
             self.launch = direct_launcher(compiled, device.index)
 
 
+def tensor_key(t: torch.Tensor | None):
+    """What a cached launch depends on for one optional tensor argument: triton specialises pointers
+    on dtype and 16-byte alignment, and the strides and shape are baked into the plan."""
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0)
+
+
+def on_current_device(t: torch.Tensor) -> bool:
+    """Whether a launch for ``t`` may go ahead as is: triton launches on the current CUDA device."""
+    return not t.is_cuda or t.device.index == torch.cuda.current_device()
+
+
 def cache_put(cache: dict, key, value, limit: int = 1024):
     """``cache[key] = value``, dropping the oldest entry past ``limit``; returns ``value``."""
     if len(cache) >= limit:

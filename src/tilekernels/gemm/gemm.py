@@ -12,8 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import (cdiv, check_errors, check_runnable, direct_launcher, ensure_cuda_context, error_table,
-                        fp32_precision, is_interpreter, sm_count, supports_tensor_descriptors)
+from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_runnable, ensure_cuda_context, error_table,
+                        fp32_precision, is_interpreter, on_current_device, sm_count, supports_tensor_descriptors,
+                        tensor_key)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
 from .scheduler import AsyncInputScheduler
@@ -198,25 +199,17 @@ def _vec_stride(s: torch.Tensor | None) -> int:
     return s.reshape(-1).stride(0)
 
 
-def _meta(t: torch.Tensor | None):
-    """What a launch plan depends on for one optional tensor: triton specialises pointers on dtype and
-    16-byte alignment, and the strides and broadcast shape are baked into the plan."""
-    if t is None:
-        return None
-    return t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0
-
-
 class _Plan:
     """Everything about one GEMM launch that depends only on its signature (shapes, strides, dtypes,
     alignments, epilogue shape, config): computed once, then reused by every call with that signature.
 
-    ``launch`` is the compiled kernel's direct launcher once the first call through ``jit_fn[grid]``
-    has compiled it (GPU only); until then, and always under the interpreter, calls go through Triton.
+    ``kernel`` is the ``CachedLaunch`` of ``gemm_kernel``: after the first call has compiled it (GPU
+    only) it launches through the compiled kernel's launcher directly; under the interpreter, and until
+    then, calls go through Triton.
     """
 
     __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "c_desc", "res_desc",
-                 "num_programs", "ints", "epilogue_strides", "async_ints", "constexprs", "epilogue_flags", "acc_int",
-                 "launch")
+                 "num_programs", "ints", "epilogue_strides", "async_ints", "epilogue_flags", "acc_int", "kernel")
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -232,15 +225,16 @@ def _async_key(async_input):
         return None
     signals, rows_per_chunk, pivot_chunk, signal_value = async_input[:4]
     if isinstance(signal_value, torch.Tensor):
-        return _meta(signals), rows_per_chunk, pivot_chunk, "device"
-    return _meta(signals), rows_per_chunk, pivot_chunk, -2**31 <= signal_value < 2**31
+        return tensor_key(signals), rows_per_chunk, pivot_chunk, "device"
+    return tensor_key(signals), rows_per_chunk, pivot_chunk, -2**31 <= signal_value < 2**31
 
 
 def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input):
-    return (_async_key(async_input), a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0, b.shape[1], b.stride(),
-            b.data_ptr() % 16 == 0, c.dtype, c.stride(), c.data_ptr() % 16 == 0, _meta(bias), _meta(residual),
-            tuple(_meta(m) for m in mul), _meta(scale_a), _meta(scale_b), activation, alpha != 1.0, split_k,
-            active_override(), fp32_precision() if a.dtype == torch.float32 else None)
+    return (_async_key(async_input), a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0, b.shape[1],
+            b.stride(), b.data_ptr() % 16 == 0, c.dtype, c.stride(), c.data_ptr() % 16 == 0, tensor_key(bias),
+            tensor_key(residual), tuple(tensor_key(m) for m in mul), tensor_key(scale_a), tensor_key(scale_b),
+            activation, alpha != 1.0, split_k, active_override(),
+            fp32_precision() if a.dtype == torch.float32 else None)
 
 
 def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
@@ -254,7 +248,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     split_k = max(1, cdiv(K, k_per_split))
 
     plan = _Plan()
-    plan.cfg, plan.split_k, plan.launch = cfg, split_k, None
+    plan.cfg, plan.split_k = cfg, split_k
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
     use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
@@ -293,7 +287,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         OUT_IS_INT=c.dtype == torch.int32,
     )
     precision = fp32_precision()
-    plan.constexprs = dict(
+    constexprs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split_k,
         USE_TMA=use_tma, A_TRANS=plan.a_trans, B_TRANS=plan.b_trans, EVEN_K=K % cfg.block_k == 0,
@@ -306,6 +300,8 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         SIGNAL_IS_PTR=async_input is not None and isinstance(async_input[3], torch.Tensor),
         TRACE=trace is not None, TRACE_MAX_EVENTS=trace.max_events if trace is not None else 1,
     )
+    plan.kernel = CachedLaunch(_kernels.gemm_kernel, plan.num_programs, constexprs, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
     return plan
 
 
@@ -366,7 +362,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     ``trace``: a ``dist.trace.DeviceTrace`` to record per-program wait/compute spans in, or None."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
-    if a.is_cuda and a.device.index != torch.cuda.current_device():
+    if not on_current_device(a):
         with torch.cuda.device(a.device):  # triton launches on the current device
             return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
                            async_input, trace)
@@ -378,11 +374,8 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         key += (trace.max_events,)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
-                          trace)
-        if len(_PLANS) >= _MAX_PLANS:
-            del _PLANS[next(iter(_PLANS))]
-        _PLANS[key] = plan
+        plan = cache_put(_PLANS, key, _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
+                                                 split_k, async_input, trace), _MAX_PLANS)
 
     if plan.use_tma:
         if a.is_cuda:
@@ -411,13 +404,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         wait_args = (signals, errors, *plan.async_ints, signal_value, max_spins)
     trace_args = (trace.events, trace.clock) if trace is not None else (None, None)
     args = (a_arg, b_arg, c_arg, partials, *plan.ints, *epilogue_args, *wait_args, *trace_args)
-    if plan.launch is not None:
-        plan.launch(plan.num_programs, args + tuple(plan.constexprs.values()))
-    else:
-        compiled = _kernels.gemm_kernel[(plan.num_programs,)](
-            *args, **plan.constexprs, num_warps=plan.cfg.num_warps, num_stages=plan.cfg.num_stages)
-        if a.is_cuda and list(plan.constexprs) == _kernels.gemm_kernel.arg_names[len(args):]:
-            plan.launch = direct_launcher(compiled, a.device.index)
+    plan.kernel(args, a.device)
     if plan.split_k > 1:
         block_m, block_n = 32, 128
         _kernels.splitk_reduce_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](

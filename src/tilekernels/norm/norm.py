@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .._runtime import CachedLaunch, cache_put, cdiv, check_runnable
+from .._runtime import CachedLaunch, cache_put, cdiv, check_runnable, on_current_device, tensor_key
 from . import _kernels as kern
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -93,11 +93,6 @@ def forward_rows(x: torch.Tensor, topk_ids: Optional[torch.Tensor]) -> int:
     return x.shape[0] * topk_ids.shape[1] if topk_ids is not None else x.shape[0]
 
 
-def _meta(t: Optional[torch.Tensor]):
-    """What a cached launch depends on for one optional tensor argument (see ``CachedLaunch``)."""
-    return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0)
-
-
 # call signature -> CachedLaunch (forward) or (row kernel, column-sum kernel, row programs) (backward):
 # the configs, grids and constexprs are worked out once per signature, and later calls launch through
 # triton's compiled launcher directly. Host cost per call is what eager users of these memory-bound
@@ -106,14 +101,10 @@ _FORWARD_PLANS: dict = {}
 _BACKWARD_PLANS: dict = {}
 
 
-def _on_current_device(t: torch.Tensor) -> bool:
-    return not t.is_cuda or t.device.index == torch.cuda.current_device()
-
-
 def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, eps, norm, quant, quant_dtype,
                    store_y, store_stats):
     """Run ``_row_forward`` on 2-D x; returns (y, q, row_scale, s, mean, rstd), None where not asked."""
-    if not _on_current_device(x):
+    if not on_current_device(x):
         with torch.cuda.device(x.device):  # triton launches on the current device
             return launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, eps, norm, quant,
                                   quant_dtype, store_y, store_stats)
@@ -128,8 +119,8 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
     rstd = torch.empty(M, dtype=torch.float32, device=device) if store_stats else None
     if M == 0:
         return y, q, scale, s, mean, rstd
-    key = (device, _meta(x), _meta(residual), _meta(x_bias), _meta(weight), _meta(bias), _meta(smooth_scale),
-           _meta(topk_ids), norm, quant, quant_dtype, store_y, store_stats, kern.config_override.get("forward"))
+    key = (device, *map(tensor_key, (x, residual, x_bias, weight, bias, smooth_scale, topk_ids)), norm, quant,
+           quant_dtype, store_y, store_stats, kern.config_override.get("forward"))
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         config = kern.forward_config(N, device)
@@ -151,7 +142,7 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
 
 def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_db):
     """dx ``[M, N]`` in x's dtype and dw, db ``[N]`` fp32 (None where not wanted)."""
-    if not _on_current_device(x):
+    if not on_current_device(x):
         with torch.cuda.device(x.device):
             return launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_db)
     M, N = x.shape
@@ -160,8 +151,8 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
     if M == 0:
         zeros = torch.zeros(N, dtype=torch.float32, device=device)
         return dx, zeros if want_dw else None, zeros.clone() if want_db else None
-    key = (device, _meta(x), _meta(x_bias), _meta(dy), _meta(ds), _meta(weight), _meta(mean), _meta(rstd), norm,
-           want_dw, want_db, kern.config_override.get("backward"))
+    key = (device, *map(tensor_key, (x, x_bias, dy, ds, weight, mean, rstd)), norm, want_dw, want_db,
+           kern.config_override.get("backward"))
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
         config = kern.backward_config(N, norm, device)

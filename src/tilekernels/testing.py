@@ -216,6 +216,19 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: tor
 # CUDA graphs
 
 
+def assert_no_host_sync(step) -> None:
+    """Run ``step()`` once (compiling and tuning outside the check), then again under torch's sync
+    debug mode "error": any host synchronisation inside the second call raises."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 def capture_graph(step, warmups: int = 2):
     """``(graph, outputs)``: ``step()`` run ``warmups`` times on a side stream (so kernels compile and
     caches fill outside the capture), then captured once; replaying ``graph`` rewrites ``outputs``."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import tilekernels as tk
 from tilekernels.attention._fwd import draw_philox_seed, dropout_keep_mask
 from tilekernels.attention.reference import reference_attention
-from tilekernels.testing import assert_close, capture_graph, random_tensor
+from tilekernels.testing import assert_close, assert_no_host_sync, capture_graph, random_tensor
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -734,14 +734,7 @@ def test_gpu_no_host_sync(dropout_p, device):
         out, lse, _ = flash(problem, q, k, v)
         return (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
 
-    step()  # compile and tune outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync(step)
 
 
 @gpu

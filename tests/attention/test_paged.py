@@ -45,7 +45,7 @@ from tilekernels.attention.reference import (
     reference_merge_states,
     reference_paged_attention,
 )
-from tilekernels.testing import assert_close, capture_graph, poisoned, random_tensor
+from tilekernels.testing import assert_close, assert_no_host_sync, capture_graph, poisoned, random_tensor
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -962,11 +962,4 @@ def test_gpu_no_host_sync(table, device):
         run_decode(decode, num_splits=5)
         tk.merge_attention_states(out, lse, out, lse)
 
-    step()  # compile outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync(step)

@@ -39,7 +39,7 @@ from tilekernels.norm.reference import (
     reference_quant,
     reference_rms_norm,
 )
-from tilekernels.testing import assert_close, capture_graph, random_tensor
+from tilekernels.testing import assert_close, assert_no_host_sync, capture_graph, random_tensor
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -843,11 +843,4 @@ def test_gpu_no_host_sync(device):
         call(case, inputs, quant="smooth", smooth_scale=smooth_scale, return_unquantized=True)
         call(rms_case, rms_inputs, quant="dynamic", quant_dtype=torch.float8_e4m3fn)
 
-    step()  # compile outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_no_host_sync(step)

@@ -105,13 +105,19 @@ def reference_quant(z, quant_dtype):
     if quant_dtype not in QUANT_MAX:
         raise TypeError(f"quant_dtype must be torch.int8 or torch.float8_e4m3fn, got {quant_dtype}")
     qmax = QUANT_MAX[quant_dtype]
-    z = z.detach().to(device="cpu", dtype=torch.float64)
-    amax = z.abs().amax(dim=-1, keepdim=True)
-    usable = (amax > 0) & amax.isfinite()
-    q = torch.where(usable, z * (qmax / torch.where(usable, amax, 1.0)), 0.0)
+    q, amax = _scaled_rows(z, qmax)
     if quant_dtype == torch.int8:
         q = q.round().clamp(-qmax, qmax)
     return q.to(quant_dtype), (amax / qmax).squeeze(-1)
+
+
+def _scaled_rows(z, qmax):
+    """``(z * qmax / amax, amax)`` of rows ``z`` in float64 on the CPU, 0 where a row's amax is 0 or not
+    finite; amax keeps its last dim (size 1)."""
+    z = z.detach().to(device="cpu", dtype=torch.float64)
+    amax = z.abs().amax(dim=-1, keepdim=True)
+    usable = (amax > 0) & amax.isfinite()
+    return torch.where(usable, z * (qmax / torch.where(usable, amax, 1.0)), 0.0), amax
 
 
 def reference_moe_rows(x, smooth_scale, topk_ids):
@@ -132,11 +138,7 @@ def quant_steps(q, z, quant_dtype):
     is 0 or NaN), in quantisation steps at that magnitude: 1 for int8; e4m3's spacing for
     float8_e4m3fn (``2^(e - 3)`` in ``[2^e, 2^(e+1))``, ``2^-9`` below ``2^-6``). Correct rounding is
     within 0.5 everywhere; a NaN in q counts as infinitely far. Float64 on the CPU, z's shape."""
-    qmax = QUANT_MAX[quant_dtype]
-    z = z.detach().to(device="cpu", dtype=torch.float64)
-    amax = z.abs().amax(dim=-1, keepdim=True)
-    usable = (amax > 0) & amax.isfinite()
-    exact = torch.where(usable, z * (qmax / torch.where(usable, amax, 1.0)), 0.0)
+    exact, _ = _scaled_rows(z, QUANT_MAX[quant_dtype])
     if quant_dtype == torch.int8:
         step = torch.ones_like(exact)
     else:

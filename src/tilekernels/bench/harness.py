@@ -263,6 +263,31 @@ class Accuracy:
     detail: str
 
 
+class SharedModuleOp:
+    """The harness's op interface for one of several ops whose bench code shares one module (bench/norm.py:
+    six ops, bench/paged.py: two): each method hands the op's NAME (the op itself, for its report) to
+    the module's function of the same name. Subclasses add METRIC, FLOPS_FORMULA and the like."""
+
+    def __init__(self, name: str, module):
+        self.NAME = name
+        self._module = module
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        self._module.add_arguments(parser)
+
+    def check_cases(self, device: torch.device) -> list:
+        return self._module.check_cases(self.NAME, device)
+
+    def bench_cases(self, opts: argparse.Namespace, device: torch.device) -> list:
+        return self._module.bench_cases(self.NAME, opts, device)
+
+    def report_rows(self, rows: Sequence[dict], markdown: bool = False, interpreter_note: bool = True) -> str:
+        return self._module.report_rows(rows, self, markdown, interpreter_note)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.NAME!r})"
+
+
 @dataclasses.dataclass
 class BenchCase:
     """One shape of one op, with the providers to time on it.

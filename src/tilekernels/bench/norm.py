@@ -86,6 +86,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -913,29 +914,14 @@ def check_cases(op: str, device: torch.device) -> list[CheckCase]:
 # registration (bench/__init__.py: "tilekernels.bench.norm:LAYER_NORM", ...)
 
 
-class NormBench:
+class NormBench(harness.SharedModuleOp):
     """The harness's op interface for one of the six ops."""
 
     METRIC = "tbps"
 
     def __init__(self, name: str):
-        self.NAME = name
+        super().__init__(name, sys.modules[__name__])
         self.FLOPS_FORMULA = FORMULAS[name]
-
-    def add_arguments(self, parser) -> None:
-        add_arguments(parser)
-
-    def check_cases(self, device: torch.device) -> list[CheckCase]:
-        return check_cases(self.NAME, device)
-
-    def bench_cases(self, opts: argparse.Namespace, device: torch.device) -> list[BenchCase]:
-        return bench_cases(self.NAME, opts, device)
-
-    def report_rows(self, rows: Sequence[dict], markdown: bool = False, interpreter_note: bool = True) -> str:
-        return report_rows(rows, self, markdown, interpreter_note)
-
-    def __repr__(self) -> str:
-        return f"NormBench({self.NAME!r})"
 
 
 LAYER_NORM = NormBench(LAYER_NORM_OP)

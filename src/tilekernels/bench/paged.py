@@ -88,6 +88,7 @@ import argparse
 import inspect
 import itertools
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -906,33 +907,18 @@ def check_cases(op: str, device: torch.device) -> list[CheckCase]:
 # registration (bench/__init__.py: "tilekernels.bench.paged:BATCH_PREFILL", ":BATCH_DECODE")
 
 
-class PagedBench:
+class PagedBench(harness.SharedModuleOp):
     """The harness's op interface for one of the two paged ops."""
 
     def __init__(self, name: str):
-        self.NAME = name
+        super().__init__(name, sys.modules[__name__])
         self.METRIC = "tbps" if name == DECODE else "tflops"
         self.ANCHOR_PROVIDER = SDPA if name == DECODE else None
         self.FLOPS_FORMULA = ("KV bytes B*Sk*Hkv*D*2*element size" if name == DECODE
                               else "4*B*H*D*Sq*Sk (causal: Sq*Sk - Sq^2/2 pairs)")
 
-    def add_arguments(self, parser) -> None:
-        add_arguments(parser)
-
-    def check_cases(self, device: torch.device) -> list[CheckCase]:
-        return check_cases(self.NAME, device)
-
-    def bench_cases(self, opts: argparse.Namespace, device: torch.device) -> list[BenchCase]:
-        return bench_cases(self.NAME, opts, device)
-
     def anchor(self, row: dict):
         return anchor(row)
-
-    def report_rows(self, rows: Sequence[dict], markdown: bool = False, interpreter_note: bool = True) -> str:
-        return report_rows(rows, self, markdown, interpreter_note)
-
-    def __repr__(self) -> str:
-        return f"PagedBench({self.NAME!r})"
 
 
 BATCH_PREFILL = PagedBench(PREFILL)

@@ -335,6 +335,13 @@ def tensor_key(t: torch.Tensor | None):
     return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0)
 
 
+def plain_eager(t: torch.Tensor) -> bool:
+    """Whether a call on ``t`` may launch directly instead of through its torch.library op: a plain
+    tensor (not a fake tensor or other subclass) outside torch.compile's tracing. The ops' eager fast
+    paths (the op's own launch, minus the dispatcher's host cost) take it."""
+    return type(t) is torch.Tensor and not torch.compiler.is_compiling()
+
+
 def on_current_device(t: torch.Tensor) -> bool:
     """Whether a launch for ``t`` may go ahead as is: triton launches on the current CUDA device."""
     return not t.is_cuda or t.device.index == torch.cuda.current_device()

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 import torch
 
 from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_runnable, ensure_cuda_context, error_table,
-                        fp32_precision, is_interpreter, on_current_device, sm_count, supports_tensor_descriptors,
-                        tensor_key)
+                        fp32_precision, is_interpreter, on_current_device, plain_eager, sm_count,
+                        supports_tensor_descriptors, tensor_key)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
 from .scheduler import AsyncInputScheduler
@@ -571,7 +571,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
             return gemm(a, b, bias=bias, residual=residual, mul=mul, activation=activation, alpha=alpha,
                         beta=beta, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out,
                         split_k=split_k, async_input=async_input)
-    if not needs_grad and type(a) is torch.Tensor and not torch.compiler.is_compiling():
+    if not needs_grad and plain_eager(a):
         # Eager fast path: the same launch the custom op makes, minus ~45 us of dispatcher overhead
         # per call (measured on an H100), which is as long as a whole skinny GEMM.
         c = out if out is not None else torch.empty((a.shape[0], b.shape[1]), device=a.device,

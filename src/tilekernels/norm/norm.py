@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .._runtime import CachedLaunch, cache_put, cdiv, check_runnable, on_current_device, tensor_key
+from .._runtime import CachedLaunch, cache_put, cdiv, check_runnable, on_current_device, plain_eager, tensor_key
 from . import _kernels as kern
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -188,7 +188,7 @@ def run_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, eps, 
     goes through the torch.library op; a plain eager call launches directly (``launch_forward``, the
     op's own impl), through ``_EagerRowNorm`` when it needs gradients, which saves the custom op's
     host cost per call."""
-    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+    if not plain_eager(x):
         # empty tensors stand for the outputs not asked for (callers read only what they asked for)
         return _forward_op(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, eps, norm, quant, quant_dtype,
                            store_y, store_stats)

@@ -24,6 +24,7 @@ Ids read ``layer_norm-bf16-M3N4099-padded-residual-xbias``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import tilekernels as tk
+from tilekernels.norm import _kernels as kern
 from tilekernels.norm.reference import (
     assert_quant_close,
     quant_steps,
@@ -524,6 +526,57 @@ def test_backward_deterministic(op, device):
     second = run_backward(case, inputs, grad_y, grad_s)
     for key in first:
         assert torch.equal(first[key], second[key]), f"{case.name}: d{key} differs between two runs"
+
+
+@contextlib.contextmanager
+def _override(key, value):
+    """``_kernels.config_override[key] = value`` for the block (None: leave it unset)."""
+    saved = kern.config_override.copy()
+    if value is not None:
+        kern.config_override[key] = value
+    try:
+        yield
+    finally:
+        kern.config_override.clear()
+        kern.config_override.update(saved)
+
+
+def _persistent_forward_calls(device):
+    """(name, call) pairs covering every forward kind: norms with residual / x_bias, their quantised
+    outputs, and the three quant ops (smooth: one scale row; MoE: a row per expert)."""
+    M, N, T, E = 37, 600, 13, 5
+    x = random_tensor((M, N), torch.bfloat16, device)
+    res = random_tensor((M, N), torch.bfloat16, device)
+    w, b, xb = (random_tensor((N,), torch.float32, device) for _ in range(3))
+    smooth = torch.rand(N, device=device) + 0.5
+    smooth_rows = torch.rand(E, N, device=device) + 0.5
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).to(device=device, dtype=torch.int32)
+    return [
+        ("layer", lambda: tk.layer_norm(x, w, b, residual=res, x_bias=xb)),
+        ("rms-smooth", lambda: tk.rms_norm(x, w, residual=res, quant="smooth", smooth_scale=smooth,
+                                           return_unquantized=True)),
+        ("layer-dynamic-fp8", lambda: tk.layer_norm(x, w, b, quant="dynamic", quant_dtype=torch.float8_e4m3fn)),
+        ("dynamic", lambda: tk.dynamic_quant(x)),
+        ("smooth", lambda: tk.smooth_quant(x, smooth)),
+        ("moe", lambda: tk.moe_smooth_quant(x[:T], smooth_rows, ids)),
+    ]
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
+@pytest.mark.parametrize("block_m", [1, 2])
+def test_forward_persistent_is_bit_identical(block_m, prefetch, device):
+    """The persistent whole-row forward (weight, bias, smooth_scale loaded once per program; with
+    prefetch the next tile's x and residual loaded ahead) gives the bits of one program per tile,
+    for a row count that leaves the last tile partial and programs with different tile counts."""
+    calls = _persistent_forward_calls(device)
+    with torch.no_grad():
+        expected = [(name, fn()) for name, fn in calls]
+        config = kern.RowConfig(block_m, 1024, 4, programs_per_sm=1, prefetch=prefetch, persistent=True)
+        with _override("forward", config):
+            got = [(name, fn()) for name, fn in calls]
+    for (name, want), (_, have) in zip(expected, got):
+        for i, (a, b) in enumerate(zip(want, have)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: output {i} differs"
 
 
 def test_backward_only_s_used(device):

@@ -11,7 +11,9 @@ Forward, per row of ``N`` values (``_row_forward``)::
 Every op of ``tk.norm`` and ``tk.quant`` is this kernel with other constexpr switches, so the
 residual add, the statistics, the affine step and the quantisation are written once.
 
-A row that fits one tile (``N <= BLOCK_N``) is read from memory once and kept in registers. A longer
+A row that fits one tile (``N <= BLOCK_N``) is read from memory once and kept in registers, one row
+tile per program -- or, for smooth quantisation with one smooth-scale row, in a persistent loop over
+row tiles that loads the fp32 scales once per program (``PERSISTENT``, ``SMOOTH_PERSISTENT``). A longer
 row is read in ``BLOCK_N`` chunks several times -- statistics (Chan's parallel mean/variance merge),
 then (with quantisation) the row's max|z|, then the outputs: one program owns the row, so the later
 passes find it in L2 (a 64k-column bf16 row is 128 KB) and HBM still sees one read. With a residual
@@ -64,29 +66,96 @@ ROUND_HALF_EVEN = tl.constexpr(12582912.0)   # 1.5 * 2^23
 
 
 @triton.jit
-def _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n, stride_xn,
-               stride_rn, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, READ_SUM: tl.constexpr,
-               WRITE_SUM: tl.constexpr):
-    """The values the norm sees, fp32 ``[BLOCK_M, BLOCK_N]``: x (+ x_bias) (+ residual, rounded to s's
-    dtype and stored when ``WRITE_SUM``); ``READ_SUM``: s as an earlier pass stored it."""
-    if READ_SUM:
-        v = tl.load(sum_ptr + out_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _vector(ptr, cols, mask_n, PRESENT: tl.constexpr):
+    """``ptr[cols]`` as fp32 (0 past N), or zeros when the operand is absent."""
+    if PRESENT:
+        v = tl.load(ptr + cols, mask=mask_n, other=0.0).to(tl.float32)
     else:
-        v = tl.load(x_ptr + x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        if HAS_XBIAS:
-            v += tl.load(xbias_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if HAS_RESIDUAL:
-            v += tl.load(res_ptr + res_row + cols[None, :] * stride_rn, mask=mask, other=0.0).to(tl.float32)
-            s = cast_for_store(v, sum_ptr.dtype.element_ty)
-            if WRITE_SUM:
-                tl.store(sum_ptr + out_row + cols[None, :], s, mask=mask)
-            v = s.to(tl.float32)
+        v = cols.to(tl.float32) * 0.0
     return v
 
 
 @triton.jit
-def _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM: tl.constexpr, HAS_W: tl.constexpr,
-            HAS_B: tl.constexpr):
+def _smooth_vector(smooth_ptr, cols, mask_n, QUANT: tl.constexpr, IS_MOE: tl.constexpr):
+    """The smooth-scale row of a non-MoE smooth quantisation (MoE rows load their expert's row each)."""
+    if QUANT == QUANT_SMOOTH and not IS_MOE:
+        v = _vector(smooth_ptr, cols, mask_n, True)
+    else:
+        v = cols.to(tl.float32) * 0.0
+    return v
+
+
+@triton.jit
+def _forward_rows(tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j,
+                  IS_MOE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows of tile ``tile``: (output rows, in range, valid, smooth-scale row offsets, x / residual /
+    output row offsets). MoE: tiles walk the rows token by token (token t's k rows j * T + t one after
+    another), so a token's row of x is read from HBM once and from L2 for its other k - 1 experts."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < M
+    if IS_MOE:
+        topk = M // T
+        token = rows // topk
+        choice = rows % topk
+        rows = choice * T + token
+        expert = tl.load(topk_ptr + token.to(tl.int64) * stride_tk_t + choice * stride_tk_j, mask=mask_m,
+                         other=0).to(tl.int64)
+        valid = mask_m & (expert >= 0) & (expert < num_experts)
+        smooth_row = tl.where(valid, expert, 0)[:, None] * stride_sm
+    else:
+        token = rows
+        valid = mask_m
+        smooth_row = rows.to(tl.int64)[:, None] * 0
+    x_row = token.to(tl.int64)[:, None] * stride_xm
+    res_row = rows.to(tl.int64)[:, None] * stride_rm
+    out_row = rows.to(tl.int64)[:, None] * N
+    return rows, mask_m, valid, smooth_row, x_row, res_row, out_row
+
+
+@triton.jit
+def _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask, stride_xn, stride_rn, HAS_RESIDUAL: tl.constexpr):
+    """x and the residual of a tile as stored (the residual is x again when there is none)."""
+    x = tl.load(x_ptr + x_row + cols[None, :] * stride_xn, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + res_row + cols[None, :] * stride_rn, mask=mask, other=0.0)
+    else:
+        res = x
+    return x, res
+
+
+@triton.jit
+def _row_values(x, res, xb, sum_ptr, out_row, cols, mask, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                WRITE_SUM: tl.constexpr):
+    """The values the norm sees, fp32 ``[BLOCK_M, BLOCK_N]``: x (+ x_bias) (+ residual, rounded to s's
+    dtype and stored when ``WRITE_SUM``)."""
+    v = x.to(tl.float32)
+    if HAS_XBIAS:
+        v += xb[None, :]
+    if HAS_RESIDUAL:
+        v += res.to(tl.float32)
+        s = cast_for_store(v, sum_ptr.dtype.element_ty)
+        if WRITE_SUM:
+            tl.store(sum_ptr + out_row + cols[None, :], s, mask=mask)
+        v = s.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n, stride_xn,
+                  stride_rn, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, READ_SUM: tl.constexpr,
+                  WRITE_SUM: tl.constexpr):
+    """``_row_values`` of one chunk of a long row, loaded here; ``READ_SUM``: s as the first pass stored it."""
+    if READ_SUM:
+        v = tl.load(sum_ptr + out_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        x, res = _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask, stride_xn, stride_rn, HAS_RESIDUAL)
+        v = _row_values(x, res, _vector(xbias_ptr, cols, mask_n, HAS_XBIAS), sum_ptr, out_row, cols, mask,
+                        HAS_XBIAS, HAS_RESIDUAL, WRITE_SUM)
+    return v
+
+
+@triton.jit
+def _affine(v, mean, rstd, w, b, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     """``(v - mean) * rstd * w + b`` (layer), ``v * rstd * w`` (rms) or ``v`` (none), in fp32."""
     if NORM == NORM_LAYER:
         y = (v - mean[:, None]) * rstd[:, None]
@@ -95,20 +164,21 @@ def _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM: tl.constexpr, HAS_W
     else:
         y = v
     if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y = y * w[None, :]
     if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y = y + b[None, :]
     return y
 
 
 @triton.jit
-def _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT: tl.constexpr, IS_MOE: tl.constexpr):
-    """``y * smooth_scale`` for smooth quantisation (per expert for MoE rows), else ``y``."""
+def _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT: tl.constexpr, IS_MOE: tl.constexpr):
+    """``y * smooth_scale`` for smooth quantisation (``smooth``, loaded once; MoE: each row's expert's
+    row, loaded here), else ``y``."""
     if QUANT == QUANT_SMOOTH:
         if IS_MOE:
             y = y * tl.load(smooth_ptr + smooth_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         else:
-            y = y * tl.load(smooth_ptr + cols, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            y = y * smooth[None, :]
     return y
 
 
@@ -139,116 +209,125 @@ def _row_scales(amax, valid, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _forward_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
-                  y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr,
-                  M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
-                  stride_tk_t, stride_tk_j, eps,
-                  NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, IS_MOE: tl.constexpr,
-                  STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr, ONE_PASS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row tile ``tile`` of ``_row_forward``."""
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < M
-    if IS_MOE:
-        # Tiles walk the rows token by token (token t's k rows j * T + t one after another), so a
-        # token's row of x is read from HBM once and from L2 for its other k - 1 experts.
-        topk = M // T
-        token = rows // topk
-        choice = rows % topk
-        rows = choice * T + token
-        expert = tl.load(topk_ptr + token.to(tl.int64) * stride_tk_t + choice * stride_tk_j, mask=mask_m,
-                         other=0).to(tl.int64)
-        valid = mask_m & (expert >= 0) & (expert < num_experts)
-        smooth_row = tl.where(valid, expert, 0)[:, None] * stride_sm
-    else:
-        token = rows
-        valid = mask_m
-        smooth_row = rows[:, None] * 0
-    x_row = token.to(tl.int64)[:, None] * stride_xm
-    res_row = rows.to(tl.int64)[:, None] * stride_rm
-    out_row = rows.to(tl.int64)[:, None] * N
-    if QUANT != QUANT_NONE:
-        q_dtype = q_ptr.dtype.element_ty
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        mask_n = cols < N
-        mask = mask_m[:, None] & mask_n[None, :]
-        v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
-                       stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, False, True)
-        if NORM == NORM_LAYER:
-            mean = tl.sum(v, axis=1) / N
-            centred = tl.where(mask, v - mean[:, None], 0.0)
-            rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
-        elif NORM == NORM_RMS:
-            mean = tl.zeros([BLOCK_M], tl.float32)
-            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / N + eps)
-        else:
-            mean = tl.zeros([BLOCK_M], tl.float32)
-            rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
-        y = _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM, HAS_W, HAS_B)
-        if STORE_Y:
-            tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
-        if QUANT != QUANT_NONE:
-            z = _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT, IS_MOE)
-            amax = tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1)
-            scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
-            tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
-            tl.store(scale_ptr + rows, scale, mask=mask_m)
-    else:
-        # pass 1: statistics (and s), chunk by chunk; Chan's merge keeps the variance exact-ish in fp32
+def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr,
+                   scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_rm, stride_sm,
+                   stride_tk_t, stride_tk_j, eps, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                   HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
+                   IS_MOE: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
+                   PRELOADED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row tile ``tile`` of whole rows, its x and residual already loaded (``_load_input``). The
+    weight, bias, x_bias and smooth-scale vectors come preloaded (``PRELOADED``, the persistent loop) or
+    are loaded here where they are first used: held from the start, weight and bias cost one row's
+    worth of registers during the statistics (layer_norm at 16384 columns fell from ~0.95 to 0.75 of
+    copy bandwidth)."""
+    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, IS_MOE,
+        BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    if not PRELOADED:
+        xb = _vector(xbias_ptr, cols, mask_n, HAS_XBIAS)
+    v = _row_values(x, res, xb, sum_ptr, out_row, cols, mask, HAS_XBIAS, HAS_RESIDUAL, True)
+    if NORM == NORM_LAYER:
+        mean = tl.sum(v, axis=1) / N
+        centred = tl.where(mask, v - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+    elif NORM == NORM_RMS:
         mean = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M], tl.float32)   # layer: sum of squared deviations; rms: sum of squares
-        if NORM != NORM_NONE or HAS_RESIDUAL:
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask_n = cols < N
-                mask = mask_m[:, None] & mask_n[None, :]
-                v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
-                               stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, False, True)
-                if NORM == NORM_LAYER:
-                    count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-                    chunk_mean = tl.sum(v, axis=1) / count
-                    centred = tl.where(mask, v - chunk_mean[:, None], 0.0)
-                    total = start + count
-                    delta = chunk_mean - mean
-                    mean += delta * (count / total)
-                    acc += tl.sum(centred * centred, axis=1) + delta * delta * (start * count / total)
-                elif NORM == NORM_RMS:
-                    acc += tl.sum(v * v, axis=1)
-            if HAS_RESIDUAL:
-                tl.debug_barrier()   # the later passes read s back, possibly in other threads
-        if NORM == NORM_NONE:
-            rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
-        else:
-            rstd = tl.rsqrt(acc / N + eps)
-        if QUANT != QUANT_NONE:
-            # pass 2: the row's max|z|
-            amax = tl.zeros([BLOCK_M], tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask_n = cols < N
-                mask = mask_m[:, None] & mask_n[None, :]
-                v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
-                               stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
-                y = _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM, HAS_W, HAS_B)
-                z = _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT, IS_MOE)
-                amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1))
-            scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
-            tl.store(scale_ptr + rows, scale, mask=mask_m)
-        # last pass: the outputs
+        rstd = tl.rsqrt(tl.sum(v * v, axis=1) / N + eps)
+    else:
+        mean = tl.zeros([BLOCK_M], tl.float32)
+        rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
+    if not PRELOADED:
+        w = _vector(w_ptr, cols, mask_n, HAS_W)
+        b = _vector(b_ptr, cols, mask_n, HAS_B)
+    y = _affine(v, mean, rstd, w, b, NORM, HAS_W, HAS_B)
+    if STORE_Y:
+        tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
+    if QUANT != QUANT_NONE:
+        if not PRELOADED:
+            smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE)
+        z = _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT, IS_MOE)
+        amax = tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1)
+        scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
+        q_dtype = q_ptr.dtype.element_ty
+        tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
+        tl.store(scale_ptr + rows, scale, mask=mask_m)
+    if STORE_STATS:
+        tl.store(mean_ptr + rows, mean, mask=mask_m)
+        tl.store(rstd_ptr + rows, rstd, mask=mask_m)
+
+
+@triton.jit
+def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr, scale_ptr,
+                  sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn,
+                  stride_sm, stride_tk_t, stride_tk_j, eps, NORM: tl.constexpr, HAS_W: tl.constexpr,
+                  HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                  QMAX: tl.constexpr, IS_MOE: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row tile ``tile`` of rows longer than a tile, in ``BLOCK_N`` chunks and several passes."""
+    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, IS_MOE,
+        BLOCK_M)
+    # pass 1: statistics (and s), chunk by chunk; Chan's merge keeps the variance exact-ish in fp32
+    mean = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M], tl.float32)   # layer: sum of squared deviations; rms: sum of squares
+    if NORM != NORM_NONE or HAS_RESIDUAL:
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask_n = cols < N
             mask = mask_m[:, None] & mask_n[None, :]
-            v = _row_input(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
-                           stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
-            y = _affine(v, mean, rstd, w_ptr, b_ptr, cols, mask_n, NORM, HAS_W, HAS_B)
-            if STORE_Y:
-                tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
-            if QUANT != QUANT_NONE:
-                z = _smoothed(y, smooth_ptr, smooth_row, cols, mask, mask_n, QUANT, IS_MOE)
-                tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
+            v = _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
+                              stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, False, True)
+            if NORM == NORM_LAYER:
+                count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+                chunk_mean = tl.sum(v, axis=1) / count
+                centred = tl.where(mask, v - chunk_mean[:, None], 0.0)
+                total = start + count
+                delta = chunk_mean - mean
+                mean += delta * (count / total)
+                acc += tl.sum(centred * centred, axis=1) + delta * delta * (start * count / total)
+            elif NORM == NORM_RMS:
+                acc += tl.sum(v * v, axis=1)
+        if HAS_RESIDUAL:
+            tl.debug_barrier()   # the later passes read s back, possibly in other threads
+    if NORM == NORM_NONE:
+        rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
+    else:
+        rstd = tl.rsqrt(acc / N + eps)
+    if QUANT != QUANT_NONE:
+        q_dtype = q_ptr.dtype.element_ty
+        # pass 2: the row's max|z|
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask_n = cols < N
+            mask = mask_m[:, None] & mask_n[None, :]
+            v = _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
+                              stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
+            y = _affine(v, mean, rstd, _vector(w_ptr, cols, mask_n, HAS_W), _vector(b_ptr, cols, mask_n, HAS_B),
+                        NORM, HAS_W, HAS_B)
+            z = _smoothed(y, _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE),
+                          smooth_ptr, smooth_row, cols, mask, QUANT, IS_MOE)
+            amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1))
+        scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
+        tl.store(scale_ptr + rows, scale, mask=mask_m)
+    # last pass: the outputs
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask_n = cols < N
+        mask = mask_m[:, None] & mask_n[None, :]
+        v = _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
+                          stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
+        y = _affine(v, mean, rstd, _vector(w_ptr, cols, mask_n, HAS_W), _vector(b_ptr, cols, mask_n, HAS_B),
+                    NORM, HAS_W, HAS_B)
+        if STORE_Y:
+            tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
+        if QUANT != QUANT_NONE:
+            z = _smoothed(y, _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE),
+                          smooth_ptr, smooth_row, cols, mask, QUANT, IS_MOE)
+            tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
     if STORE_STATS:
         tl.store(mean_ptr + rows, mean, mask=mask_m)
         tl.store(rstd_ptr + rows, rstd, mask=mask_m)
@@ -262,25 +341,72 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
                  NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, IS_MOE: tl.constexpr,
                  STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr, ONE_PASS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """y / q + row_scale / s / mean + rstd of row tiles (see the module docstring).
 
     x ``[M, N]`` (MoE: ``[T, N]``, row r reads token ``r % T``) with any strides; y, q, s contiguous
     ``[M, N]``; row_scale, mean, rstd ``[M]`` fp32. MoE: expert ``topk[r % T, r // T]`` picks the
-    smooth-scale row. Whole rows: one tile per program. Chunked rows: a persistent loop over tiles, so
-    only as many long rows are in flight as fit in L2 for their later passes.
+    smooth-scale row.
+
+    Whole rows (``ONE_PASS``): one tile per program, or with ``PERSISTENT`` a loop over tiles that
+    loads weight, bias, x_bias and smooth_scale once per program instead of once per tile (an fp32
+    smooth_scale row is twice the bytes of a bf16 x row, read from L2 by every row otherwise); with
+    ``PREFETCH`` the next tile's x and residual are loaded before this tile's reductions. Chunked rows:
+    always a persistent loop, so only as many long rows are in flight as fit in L2 for their later passes.
     """
+    pid = tl.program_id(0)
     if ONE_PASS:
-        _forward_tile(tl.program_id(0), x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr, scale_ptr, sum_ptr,
-                      mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
-                      stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX,
-                      IS_MOE, STORE_Y, STORE_STATS, ONE_PASS, BLOCK_M, BLOCK_N)
+        cols = tl.arange(0, BLOCK_N)
+        mask_n = cols < N
+        if not PERSISTENT:
+            rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+                pid, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j,
+                IS_MOE, BLOCK_M)
+            x, res = _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :],
+                                 stride_xn, stride_rn, HAS_RESIDUAL)
+            unused = mask_n.to(tl.float32)   # the vectors are loaded where they are used
+            _one_pass_tile(pid, x, res, unused, unused, unused, unused, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr,
+                           y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
+                           stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS,
+                           HAS_RESIDUAL, QUANT, QMAX, IS_MOE, STORE_Y, STORE_STATS, False, BLOCK_M, BLOCK_N)
+        else:
+            w = _vector(w_ptr, cols, mask_n, HAS_W)
+            b = _vector(b_ptr, cols, mask_n, HAS_B)
+            xb = _vector(xbias_ptr, cols, mask_n, HAS_XBIAS)
+            smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE)
+            step = tl.num_programs(0)
+            if PREFETCH:
+                rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+                    pid, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j,
+                    IS_MOE, BLOCK_M)
+                x_next, res_next = _load_input(x_ptr, res_ptr, x_row, res_row, cols,
+                                               mask_m[:, None] & mask_n[None, :], stride_xn, stride_rn, HAS_RESIDUAL)
+            for tile in range(pid, tl.cdiv(M, BLOCK_M), step):
+                if PREFETCH:
+                    x = x_next
+                    res = res_next
+                    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+                        tile + step, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t,
+                        stride_tk_j, IS_MOE, BLOCK_M)
+                    x_next, res_next = _load_input(x_ptr, res_ptr, x_row, res_row, cols,
+                                                   mask_m[:, None] & mask_n[None, :], stride_xn, stride_rn,
+                                                   HAS_RESIDUAL)
+                else:
+                    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+                        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t,
+                        stride_tk_j, IS_MOE, BLOCK_M)
+                    x, res = _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :],
+                                         stride_xn, stride_rn, HAS_RESIDUAL)
+                _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr, y_ptr,
+                               q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
+                               stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS,
+                               HAS_RESIDUAL, QUANT, QMAX, IS_MOE, STORE_Y, STORE_STATS, True, BLOCK_M, BLOCK_N)
     else:
-        for tile in range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-            _forward_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr, scale_ptr, sum_ptr,
-                          mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
-                          stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX,
-                          IS_MOE, STORE_Y, STORE_STATS, ONE_PASS, BLOCK_M, BLOCK_N)
+        for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr,
+                          scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn,
+                          stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B,
+                          HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX, IS_MOE, STORE_Y, STORE_STATS, BLOCK_M, BLOCK_N)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -452,8 +578,11 @@ class RowConfig:
     # chunked forward and backward: programs per SM of the persistent grid (backward: row programs;
     # the grid is that many x SM count x column blocks)
     programs_per_sm: int = 1
-    # backward, whole rows: load the next row tile's x and dy before reducing this one
+    # backward, and the persistent forward: load the next row tile's inputs before reducing this one
     prefetch: bool = True
+    # forward, whole rows: a persistent loop over row tiles (programs_per_sm x SM count programs) that
+    # loads weight, bias and smooth_scale once per program
+    persistent: bool = False
 
 
 # Measured on an H100 (bf16, 2026-11-22, benchmarks/NOTES.md "Norms and quantisation"). Forward: a
@@ -465,6 +594,12 @@ MAX_FORWARD_BLOCK = {"gpu": 32768, "interpreter": 1024}
 FORWARD_CHUNK = {"gpu": 16384, "interpreter": 1024}
 # Aim for this many columns x rows per forward tile when rows are short (several rows per program).
 MIN_TILE_ELEMENTS = 2048
+# Smooth quantisation with one smooth-scale row: a persistent row loop that loads the fp32 scales once
+# per program (with one program per row, every row re-reads them from L2: twice the bytes of its bf16
+# x). Widest block -> (programs per SM, prefetch the next row tile). H100 sweep, fractions of copy
+# bandwidth, one program per row -> persistent: 4096 0.89 -> 0.93, 8192 0.76 -> 0.93-0.94, 16384
+# 0.90 -> 0.92-0.93, 32768 0.73 -> 0.79 (benchmarks/NOTES.md).
+SMOOTH_PERSISTENT = {16384: (4, True), 32768: (2, False)}
 
 # Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and
 # a block of dw (and db for layer norm) per thread across the row loop, so past 8192 columns the row
@@ -495,22 +630,28 @@ def _warps(elements: int) -> int:
     return max(4, min(16, triton.next_power_of_2(elements) // (32 * 16)))
 
 
-def forward_config(N: int, device) -> RowConfig:
+def forward_config(N: int, device, smooth: bool = False) -> RowConfig:
+    """``smooth``: a smooth quantisation with one smooth-scale row (not MoE)."""
     if "forward" in config_override:
         return config_override["forward"]
     lane = _lane(device)
     if N <= MAX_FORWARD_BLOCK[lane]:
         block_n = triton.next_power_of_2(N)
         block_m = max(1, min(64, MIN_TILE_ELEMENTS // block_n))
-        return RowConfig(block_m, block_n, _warps(block_m * block_n))
+        config = RowConfig(block_m, block_n, _warps(block_m * block_n))
+        if smooth and lane == "gpu" and block_n >= 4096:   # measured from 4096 columns up
+            programs, prefetch = SMOOTH_PERSISTENT[min(SMOOTH_PERSISTENT, key=lambda n: (n < block_n, n))]
+            config = dataclasses.replace(config, programs_per_sm=programs, prefetch=prefetch, persistent=True)
+        return config
     block_n = FORWARD_CHUNK[lane]
     return RowConfig(1, block_n, min(16, _warps(block_n)), programs_per_sm=2)
 
 
 def forward_grid(M: int, N: int, config: RowConfig, device) -> int:
-    """One program per row tile for whole rows; a persistent grid for chunked ones."""
+    """One program per row tile for whole rows (unless ``persistent``); a persistent grid for chunked
+    ones."""
     tiles_m = triton.cdiv(M, config.block_m)
-    if N <= config.block_n:
+    if N <= config.block_n and not config.persistent:
         return tiles_m
     return max(1, min(tiles_m, config.programs_per_sm * sm_count(device)))
 

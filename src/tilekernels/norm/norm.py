@@ -123,12 +123,13 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
            quant_dtype, store_y, store_stats, kern.config_override.get("forward"))
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
-        config = kern.forward_config(N, device)
+        config = kern.forward_config(N, device, smooth=quant == "smooth" and topk_ids is None)
         constexprs = dict(
             NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_B=bias is not None, HAS_XBIAS=x_bias is not None,
             HAS_RESIDUAL=residual is not None, QUANT=kern.QUANTS[None if quant == "none" else quant],
             QMAX=QUANT_MAX.get(quant_dtype, 1.0), IS_MOE=topk_ids is not None, STORE_Y=store_y,
-            STORE_STATS=store_stats, ONE_PASS=N <= config.block_n, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+            STORE_STATS=store_stats, ONE_PASS=N <= config.block_n, PERSISTENT=config.persistent,
+            PREFETCH=config.persistent and config.prefetch, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
         plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(kern._row_forward, kern.forward_grid(M, N, config, device),
                                                            constexprs, num_warps=config.num_warps))
     moe = topk_ids is not None

@@ -12,8 +12,9 @@ Every op of ``tk.norm`` and ``tk.quant`` is this kernel with other constexpr swi
 residual add, the statistics, the affine step and the quantisation are written once.
 
 A row that fits one tile (``N <= BLOCK_N``) is read from memory once and kept in registers, one row
-tile per program -- or, for smooth quantisation with one smooth-scale row, in a persistent loop over
-row tiles that loads the fp32 scales once per program (``PERSISTENT``, ``SMOOTH_PERSISTENT``). A longer
+tile per program -- or, for tk.smooth_quant and (at 32768 columns) tk.dynamic_quant, in a persistent
+loop over row tiles that loads the fp32 smooth scales once per program (``PERSISTENT``,
+``PERSISTENT_FORWARD``). A longer
 row is read in ``BLOCK_N`` chunks several times -- statistics (Chan's parallel mean/variance merge),
 then (with quantisation) the row's max|z|, then the outputs: one program owns the row, so the later
 passes find it in L2 (a 64k-column bf16 row is 128 KB) and HBM still sees one read. With a residual
@@ -594,12 +595,16 @@ MAX_FORWARD_BLOCK = {"gpu": 32768, "interpreter": 1024}
 FORWARD_CHUNK = {"gpu": 16384, "interpreter": 1024}
 # Aim for this many columns x rows per forward tile when rows are short (several rows per program).
 MIN_TILE_ELEMENTS = 2048
-# Smooth quantisation with one smooth-scale row: a persistent row loop that loads the fp32 scales once
-# per program (with one program per row, every row re-reads them from L2: twice the bytes of its bf16
-# x). Widest block -> (programs per SM, prefetch the next row tile). H100 sweep, fractions of copy
-# bandwidth, one program per row -> persistent: 4096 0.89 -> 0.93, 8192 0.76 -> 0.93-0.94, 16384
-# 0.90 -> 0.92-0.93, 32768 0.73 -> 0.79 (benchmarks/NOTES.md).
-SMOOTH_PERSISTENT = {16384: (4, True), 32768: (2, False)}
+# The standalone quantisation ops in a persistent row loop: kind -> {block_n: (programs per SM, prefetch
+# the next row tile)}; other ops and widths keep one program per row tile. smooth_quant loads its fp32
+# scales once per program (with one program per row, every row re-read them from L2: twice the bytes of
+# its bf16 x). H100 sweeps, fractions of copy bandwidth, one program per row -> persistent: smooth 4096
+# 0.88 -> 0.93, 8192 0.76 -> 0.93, 16384 0.87-0.90 -> 0.92, 32768 0.71-0.73 -> 0.79; dynamic 32768
+# 0.90 -> 0.92-0.93 (benchmarks/NOTES.md). The norms measured level or slower that way.
+PERSISTENT_FORWARD = {
+    "smooth": {4096: (4, True), 8192: (4, True), 16384: (4, True), 32768: (2, False)},
+    "dynamic": {32768: (2, True)},
+}
 
 # Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and
 # a block of dw (and db for layer norm) per thread across the row loop, so past 8192 columns the row
@@ -630,8 +635,8 @@ def _warps(elements: int) -> int:
     return max(4, min(16, triton.next_power_of_2(elements) // (32 * 16)))
 
 
-def forward_config(N: int, device, smooth: bool = False) -> RowConfig:
-    """``smooth``: a smooth quantisation with one smooth-scale row (not MoE)."""
+def forward_config(N: int, device, kind: str | None = None) -> RowConfig:
+    """``kind``: "smooth" or "dynamic" for tk.smooth_quant / tk.dynamic_quant (``PERSISTENT_FORWARD``)."""
     if "forward" in config_override:
         return config_override["forward"]
     lane = _lane(device)
@@ -639,8 +644,9 @@ def forward_config(N: int, device, smooth: bool = False) -> RowConfig:
         block_n = triton.next_power_of_2(N)
         block_m = max(1, min(64, MIN_TILE_ELEMENTS // block_n))
         config = RowConfig(block_m, block_n, _warps(block_m * block_n))
-        if smooth and lane == "gpu" and block_n >= 4096:   # measured from 4096 columns up
-            programs, prefetch = SMOOTH_PERSISTENT[min(SMOOTH_PERSISTENT, key=lambda n: (n < block_n, n))]
+        persistent = PERSISTENT_FORWARD.get(kind, {}).get(block_n) if lane == "gpu" else None
+        if persistent is not None:
+            programs, prefetch = persistent
             config = dataclasses.replace(config, programs_per_sm=programs, prefetch=prefetch, persistent=True)
         return config
     block_n = FORWARD_CHUNK[lane]

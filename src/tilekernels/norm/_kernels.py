@@ -261,6 +261,25 @@ def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smoo
 
 
 @triton.jit
+def _chunk_outputs(start, x_ptr, res_ptr, sum_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, x_row, res_row, out_row,
+                   smooth_row, mask_m, mean, rstd, N, stride_xn, stride_rn, NORM: tl.constexpr, HAS_W: tl.constexpr,
+                   HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                   IS_MOE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(cols, mask, y, z) of the chunk at ``start`` in the passes after the statistics (s read back when
+    there is a residual); z is y when nothing smooths it."""
+    cols = start + tl.arange(0, BLOCK_N)
+    mask_n = cols < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    v = _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n, stride_xn,
+                      stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
+    y = _affine(v, mean, rstd, _vector(w_ptr, cols, mask_n, HAS_W), _vector(b_ptr, cols, mask_n, HAS_B), NORM,
+                HAS_W, HAS_B)
+    z = _smoothed(y, _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE), smooth_ptr, smooth_row, cols, mask,
+                  QUANT, IS_MOE)
+    return cols, mask, y, z
+
+
+@triton.jit
 def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr, scale_ptr,
                   sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn,
                   stride_sm, stride_tk_t, stride_tk_j, eps, NORM: tl.constexpr, HAS_W: tl.constexpr,
@@ -302,32 +321,21 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
         # pass 2: the row's max|z|
         amax = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask_n = cols < N
-            mask = mask_m[:, None] & mask_n[None, :]
-            v = _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
-                              stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
-            y = _affine(v, mean, rstd, _vector(w_ptr, cols, mask_n, HAS_W), _vector(b_ptr, cols, mask_n, HAS_B),
-                        NORM, HAS_W, HAS_B)
-            z = _smoothed(y, _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE),
-                          smooth_ptr, smooth_row, cols, mask, QUANT, IS_MOE)
+            cols, mask, y, z = _chunk_outputs(start, x_ptr, res_ptr, sum_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr,
+                                              x_row, res_row, out_row, smooth_row, mask_m, mean, rstd, N, stride_xn,
+                                              stride_rn, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, IS_MOE,
+                                              BLOCK_N)
             amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1))
         scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
         tl.store(scale_ptr + rows, scale, mask=mask_m)
     # last pass: the outputs
     for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask_n = cols < N
-        mask = mask_m[:, None] & mask_n[None, :]
-        v = _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, cols, mask, mask_n,
-                          stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
-        y = _affine(v, mean, rstd, _vector(w_ptr, cols, mask_n, HAS_W), _vector(b_ptr, cols, mask_n, HAS_B),
-                    NORM, HAS_W, HAS_B)
+        cols, mask, y, z = _chunk_outputs(start, x_ptr, res_ptr, sum_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, x_row,
+                                          res_row, out_row, smooth_row, mask_m, mean, rstd, N, stride_xn, stride_rn,
+                                          NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, IS_MOE, BLOCK_N)
         if STORE_Y:
             tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
         if QUANT != QUANT_NONE:
-            z = _smoothed(y, _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE),
-                          smooth_ptr, smooth_row, cols, mask, QUANT, IS_MOE)
             tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
     if STORE_STATS:
         tl.store(mean_ptr + rows, mean, mask=mask_m)

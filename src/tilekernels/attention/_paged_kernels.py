@@ -264,11 +264,12 @@ def _paged_attn(Q, K, V, Out, Lse, QoIndptr, KvIndptr, PageTable, LastPageLen, S
 
     pages_lo = _block_pages(PageTable, table_base, lo, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N)
     if CAUSAL:
-        # the diagonal blocks' first table entries, read before the long unmasked loop: their loop is
-        # short, and its first K load would otherwise wait on this read (H100, page 16, 4 x 4096, ours /
-        # contiguous, causal: 0.881 -> 0.910 and 0.862 -> 0.881, benchmarks/NOTES.md). Full masks read
-        # them where they are used: read early there too, the full-mask runs measured 0.910 / 0.906
+        # every range's first table entries, read before the long unmasked loop: the diagonal blocks'
+        # loop is short, and its first K load would otherwise wait on this read (H100, page 16, 4 x 4096,
+        # ours / contiguous, causal: 0.881 -> 0.910 and 0.862 -> 0.881, benchmarks/NOTES.md). Full masks
+        # read them where they are used: read early there too, the full-mask runs measured 0.910 / 0.906
         # against 0.945 / 0.930 in the run before (the registers are held through the whole loop).
+        pages_mid = _block_pages(PageTable, table_base, mid_lo, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N)
         pages_hi = _block_pages(PageTable, table_base, mid_hi, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -281,7 +282,8 @@ def _paged_attn(Q, K, V, Out, Lse, QoIndptr, KvIndptr, PageTable, LastPageLen, S
                                   stride_vda, stride_vdb, stride_scale_p, stride_scale_h, HEAD_DIM, HEAD_DIM_PAD,
                                   PAGE_SIZE, K_XS, K_XD, V_XS, V_XD, BLOCK_M, BLOCK_N, True, HAS_LEFT,
                                   CAUSAL, HAS_SOFTCAP, K_SCALE, V_SCALE, EVEN_D, USE_TMA, SAME_ROWS)
-    pages_mid = _block_pages(PageTable, table_base, mid_lo, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N)
+    if not CAUSAL:
+        pages_mid = _block_pages(PageTable, table_base, mid_lo, offs_n, seqlen_k, PAGE_SIZE, BLOCK_N)
     acc, m_i, l_i = _paged_blocks(acc, m_i, l_i, q, K, V, PageTable, KScale, VScale, table_base, hk, q_idx, offs_n,
                                   offs_d, pages_mid, mid_lo, mid_hi, qo_len, seqlen_k, qk_scale_log2, softcap_log2,
                                   scale_over_cap, window_left, stride_kp, stride_kh, stride_ksa, stride_ksb,

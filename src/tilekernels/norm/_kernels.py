@@ -125,6 +125,18 @@ def _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask, stride_xn, stride_rn
 
 
 @triton.jit
+def _tile_input(tile, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm, stride_xn, stride_rm,
+                stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL: tl.constexpr, IS_MOE: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """x and the residual of whole-row tile ``tile`` (``_load_input``; nothing past M)."""
+    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, IS_MOE,
+        BLOCK_M)
+    return _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :], stride_xn,
+                       stride_rn, HAS_RESIDUAL)
+
+
+@triton.jit
 def _row_values(x, res, xb, sum_ptr, out_row, cols, mask, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                 WRITE_SUM: tl.constexpr):
     """The values the norm sees, fp32 ``[BLOCK_M, BLOCK_N]``: x (+ x_bias) (+ residual, rounded to s's
@@ -368,11 +380,9 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
         cols = tl.arange(0, BLOCK_N)
         mask_n = cols < N
         if not PERSISTENT:
-            rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
-                pid, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j,
-                IS_MOE, BLOCK_M)
-            x, res = _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :],
-                                 stride_xn, stride_rn, HAS_RESIDUAL)
+            x, res = _tile_input(pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm,
+                                 stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL,
+                                 IS_MOE, BLOCK_M)
             unused = mask_n.to(tl.float32)   # the vectors are loaded where they are used
             _one_pass_tile(pid, x, res, unused, unused, unused, unused, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr,
                            y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
@@ -385,27 +395,20 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
             smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE)
             step = tl.num_programs(0)
             if PREFETCH:
-                rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
-                    pid, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j,
-                    IS_MOE, BLOCK_M)
-                x_next, res_next = _load_input(x_ptr, res_ptr, x_row, res_row, cols,
-                                               mask_m[:, None] & mask_n[None, :], stride_xn, stride_rn, HAS_RESIDUAL)
+                x_next, res_next = _tile_input(pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts,
+                                               stride_xm, stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t,
+                                               stride_tk_j, HAS_RESIDUAL, IS_MOE, BLOCK_M)
             for tile in range(pid, tl.cdiv(M, BLOCK_M), step):
                 if PREFETCH:
                     x = x_next
                     res = res_next
-                    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
-                        tile + step, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t,
-                        stride_tk_j, IS_MOE, BLOCK_M)
-                    x_next, res_next = _load_input(x_ptr, res_ptr, x_row, res_row, cols,
-                                                   mask_m[:, None] & mask_n[None, :], stride_xn, stride_rn,
-                                                   HAS_RESIDUAL)
+                    x_next, res_next = _tile_input(tile + step, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T,
+                                                   num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
+                                                   stride_tk_t, stride_tk_j, HAS_RESIDUAL, IS_MOE, BLOCK_M)
                 else:
-                    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
-                        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t,
-                        stride_tk_j, IS_MOE, BLOCK_M)
-                    x, res = _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :],
-                                         stride_xn, stride_rn, HAS_RESIDUAL)
+                    x, res = _tile_input(tile, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm,
+                                         stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j,
+                                         HAS_RESIDUAL, IS_MOE, BLOCK_M)
                 _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr, y_ptr,
                                q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
                                stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS,

@@ -54,6 +54,18 @@ def check_vector(name: str, t, shape: tuple, x: torch.Tensor, form: str = "[N]")
         raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")
 
 
+def check_like(name: str, t, like_name: str, like: torch.Tensor) -> None:
+    """``t`` is a tensor of ``like``'s dtype, shape and device (a residual and the x it is added to)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != like.dtype:
+        raise TypeError(f"{name} must have {like_name}'s dtype {like.dtype}, got {t.dtype}")
+    if t.shape != like.shape:
+        raise ValueError(f"{name} must have {like_name}'s shape {tuple(like.shape)}, got {tuple(t.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"{name} must be on {like_name}'s device {like.device}, got {t.device}")
+
+
 def check_quant_dtype(quant_dtype) -> None:
     if quant_dtype not in QUANT_MAX:
         raise TypeError(f"quant_dtype must be torch.int8 or torch.float8_e4m3fn (NVIDIA's fp8, max 448), "
@@ -325,14 +337,7 @@ def _norm(norm, x, weight, bias, eps, residual, x_bias, quant, smooth_scale, qua
     for name, t in (("weight", weight), ("bias", bias), ("x_bias", x_bias)):
         check_vector(name, t, (N,), x)
     if residual is not None:
-        if not isinstance(residual, torch.Tensor):
-            raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
-        if residual.shape != x.shape:
-            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-        if residual.device != x.device:
-            raise ValueError(f"residual must be on x's device {x.device}, got {residual.device}")
+        check_like("residual", residual, "x", x)
     eps = _check_eps(eps)
     if quant not in ("dynamic", "smooth", None):
         raise ValueError(f"quant must be None, 'dynamic' or 'smooth', got {quant!r}")
@@ -411,10 +416,6 @@ def rms_norm(x, weight, eps=1e-6, *, residual=None, quant=None, smooth_scale=Non
 def add_rms_norm_quant(a, b, weight, eps=1e-6, quant_dtype=torch.int8):
     """``(q, row_scale, a + b)``: ``rms_norm(a, weight, eps, residual=b, quant="dynamic")`` (CK Tile's
     11_add_rmsnorm2d_rdquant). a, b ``[..., N]`` of one dtype and shape; q int8 or float8_e4m3fn."""
-    if not isinstance(b, torch.Tensor):
-        raise TypeError(f"b must be a torch.Tensor, got {type(b).__name__}")
     check_rows("a", a)
-    if b.dtype != a.dtype or b.shape != a.shape or b.device != a.device:
-        raise ValueError(f"b must have a's shape, dtype and device ({tuple(a.shape)}, {a.dtype}, {a.device}), "
-                         f"got {tuple(b.shape)}, {b.dtype}, {b.device}")
+    check_like("b", b, "a", a)
     return _norm("rms", a, weight, None, eps, b, None, "dynamic", None, quant_dtype, False)

@@ -914,14 +914,31 @@ def check_cases(op: str, device: torch.device) -> list[CheckCase]:
 # registration (bench/__init__.py: "tilekernels.bench.norm:LAYER_NORM", ...)
 
 
+# ANCHORS.md: torch eager layer_norm 1.78-2.26 and rms_norm 1.83-2.13 TB/s on the H100 (bf16; the shapes
+# are not given), so every forward row is compared with the top of the range.
+ANCHOR_TBPS = {LAYER_NORM_OP: 2.26, RMS_NORM_OP: 2.13}
+
+
+def anchor(row: dict):
+    """ANCHORS.md's best torch-eager figure for a bf16 forward GPU row of layer_norm or rms_norm."""
+    if row.get("interpreter") or row.get("dtype") != "bf16" or row.get("variant") != "fwd":
+        return None
+    value = ANCHOR_TBPS.get(row.get("op"))
+    return None if value is None else ("H100 torch-eager anchor (top of range)", value)
+
+
 class NormBench(harness.SharedModuleOp):
     """The harness's op interface for one of the six ops."""
 
     METRIC = "tbps"
+    ANCHOR_PROVIDER = EAGER
 
     def __init__(self, name: str):
         super().__init__(name, sys.modules[__name__])
         self.FLOPS_FORMULA = FORMULAS[name]
+
+    def anchor(self, row: dict):
+        return anchor(row)
 
 
 LAYER_NORM = NormBench(LAYER_NORM_OP)

@@ -16,7 +16,8 @@
 # even after another failed; the exit status is non-zero if any did. Only a few files come back from the
 # device machine (8 at most), so everything goes to ${OUT:-/tmp/out} as at most six: lane.log (every
 # step's output), gemm.{json,txt,png} from bench and gemm-sweep.{json,txt} from sweep (bench-norm: the
-# two merged files; its plots are dropped). Import the JSON here afterwards with
+# two merged files; its plots are dropped), and clocks.csv (the card's clocks, power and throttle reasons
+# every 250 ms; CLOCKS=0 turns it off). Import the JSON here afterwards with
 #   python -m tilekernels bench --update-results <files_at>/gemm.json <files_at>/gemm-graph.json ...
 # (a --cuda-graph run writes gemm-graph.*, a sweep gemm-sweep.*; norm.json holds rows of several ops,
 # each filed under its own op).
@@ -35,6 +36,15 @@ PY=${PYTHON:-python3}
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(info tests check bench)
+
+# SM and memory clocks, power, temperature and throttle reasons every 250 ms for the whole lane, in
+# $OUT/clocks.csv: a slow spell in the timings can then be matched with what the card was doing.
+monitor=
+if command -v nvidia-smi >/dev/null && [ "${CLOCKS:-1}" = 1 ]; then
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory,clocks_throttle_reasons.active \
+        --format=csv,nounits -lms 250 >"$OUT/clocks.csv" 2>/dev/null &
+    monitor=$!
+fi
 
 failed=()
 warned=()
@@ -131,6 +141,7 @@ for step in "${steps[@]}"; do
     esac
 done
 
+[ -n "$monitor" ] && kill "$monitor" 2>/dev/null
 {
     echo "=== lane summary: steps ${steps[*]}"
     for w in "${warned[@]}"; do echo "    warning: $w"; done

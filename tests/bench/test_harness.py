@@ -229,6 +229,71 @@ def test_sweep_notes_configs_that_raise_but_fails_wrong_ones(capsys):
     assert len(run.failures) == 1 and "[tilekernels bad]" in run.failures[0]
 
 
+def _scripted_case(calls):
+    """A BenchCase whose two providers log their calls; flops such that 1 ms is 1 TFLOP/s."""
+    def provider(name):
+        def fn(x):
+            calls.append(name)
+            return x["v"] * 2
+        return fn
+
+    return harness.BenchCase(
+        op="x", shape={"N": 4}, dtype=torch.float32, variant="v", layout="l", flops=1e9, set_bytes=16,
+        make_inputs=lambda i: {"v": torch.ones(4)},
+        providers={"tilekernels": provider("tilekernels"), "base": provider("base")},
+        check=lambda x, out, p: harness.Accuracy(True, 1.0, ""))
+
+
+def test_run_case_interleaves_rounds_and_keeps_each_rounds_median(monkeypatch):
+    calls, timed = [], []
+    # ours 1, 4, 2 ms in rounds 0..2; base 2, 2, 5 ms: the medians (2 and 2) hide round 1's slow spell
+    script = iter([[1, 1, 1], [2, 2, 2], [4, 4, 4], [2, 2, 2], [2, 2, 2], [5, 5, 5]])
+
+    def fake_time_ms(fn, device, warmup, rep, cuda_graph=False):
+        fn()
+        timed.append(calls[-1])
+        return [float(t) for t in next(script)]
+
+    monkeypatch.setattr(harness, "time_ms", fake_time_ms)
+    run = harness.Run("x", torch.device("cpu"), "bench")
+    harness.run_case(_scripted_case(calls), run, warmup=1, rep=1, rounds=3)
+    assert calls[:2] == ["tilekernels", "base"]              # both checked before any timing
+    assert timed == ["tilekernels", "base"] * 3               # then interleaved rounds
+    rows = {r["provider"]: r for r in run.rows}
+    assert rows["tilekernels"]["ms"] == 2.0 and rows["base"]["ms"] == 2.0
+    assert rows["tilekernels"]["rounds"] == 3
+    assert rows["tilekernels"]["p50_rounds"] == pytest.approx([1.0, 0.25, 0.5])
+    assert rows["base"]["p50_rounds"] == pytest.approx([0.5, 0.5, 0.2])
+    text = harness.report(run.rows)
+    # per-round ratios ours/base: 2.0, 0.5, 2.5
+    assert "ours/base in single rounds: 0.500 (4) to 2.500 (4), 3 interleaved rounds per shape" in text
+
+
+def test_run_case_drops_a_provider_that_raises_in_a_later_round(monkeypatch):
+    calls = []
+    rounds_seen = {"base": 0}
+
+    def fake_time_ms(fn, device, warmup, rep, cuda_graph=False):
+        fn()
+        if calls[-1] == "base":
+            rounds_seen["base"] += 1
+            if rounds_seen["base"] == 2:
+                raise RuntimeError("device lost")
+        return [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(harness, "time_ms", fake_time_ms)
+    run = harness.Run("x", torch.device("cpu"), "bench")
+    harness.run_case(_scripted_case(calls), run, warmup=1, rep=1, rounds=3)
+    assert [r["provider"] for r in run.rows] == ["tilekernels"]
+    assert len(run.failures) == 1 and "raised while timing RuntimeError: device lost" in run.failures[0]
+    assert rounds_seen["base"] == 2
+
+
+def test_combine_rounds_takes_each_quantiles_median():
+    assert harness.combine_rounds([[1, 2, 3], [10, 20, 30], [2, 3, 4]]) == [2, 3, 4]
+    assert harness.combine_rounds([[1, 2, 3]]) == [1, 2, 3]
+
+
 def test_time_ms_on_the_interpreter_returns_ordered_quantiles():
     p20, p50, p80 = harness.time_ms(lambda: sum(range(1000)), torch.device("cpu"), 1, 1)
     assert 0 < p20 <= p50 <= p80

@@ -8,12 +8,16 @@ How a number is made (``run_case``):
 2. Each provider is first run once and checked against the op's reference (``Accuracy``); a provider
    that fails or raises is reported and *not timed*: a fast wrong answer is not a result.
 3. ``triton.testing.do_bench(fn, warmup=, rep=, quantiles=[0.2, 0.5, 0.8])`` times the provider, each
-   call taking the next input set. (Same signature in triton 3.6 and 3.9.)
+   call taking the next input set. (Same signature in triton 3.6 and 3.9.) On a GPU this happens in
+   three interleaved rounds (``--rounds``): every provider is timed once per round, so a slow spell of
+   the machine falls on all of them alike, and each quantile is the median of its rounds'.
 4. One long-format row per (case, provider): ``{op, provider, shape, dtype, layout, variant, metric,
    p20, p50, p80, ms, gpu, torch, triton, tilekernels, commit, date, config, mode, run_id, ...}``.
    ``p20/p50/p80`` are quantiles of the metric, so p20 comes from the *slower* 80th percentile time;
-   ``ms`` is the median time. The metric is the case's: ``tflops`` (TFLOP/s, compute-bound ops) or
-   ``tbps`` (TB/s, memory-bound ops such as decode attention), its work per call divided by the time;
+   ``ms`` is the median time; with several rounds, ``rounds`` and ``p50_rounds`` (each round's p50)
+   are kept and the tables give the per-round spread of every ratio. The metric is the case's:
+   ``tflops`` (TFLOP/s, compute-bound ops) or ``tbps`` (TB/s, memory-bound ops such as decode
+   attention), its work per call divided by the time;
    a case may add fields of its own to its rows (e.g. a bandwidth floor).
 
 Under the CPU interpreter the same path runs end to end at tiny shapes, timed with a wall clock: the
@@ -355,7 +359,8 @@ def copy_bandwidth_tbps(device: torch.device, warmup: float, rep: float) -> floa
         nbytes = COPY_BYTES_GPU if device.type == "cuda" else COPY_BYTES_CPU
         src = device_random((nbytes // 2,), torch.bfloat16, device, COPY_SEED)
         dst = torch.empty_like(src)
-        _, ms50, _ = time_ms(lambda: dst.copy_(src), device, warmup, rep)
+        # the median of three timings: one slow spell must not move every ratio taken against it
+        ms50 = statistics.median(time_ms(lambda: dst.copy_(src), device, warmup, rep)[1] for _ in range(3))
         _copy_tbps[key] = 2 * nbytes / (ms50 * 1e-3) / 1e12
         del src, dst
         if device.type == "cuda":
@@ -455,18 +460,9 @@ def build_inputs(case: BenchCase, run: Run) -> list[dict] | None:
     return sets
 
 
-def measure(case: BenchCase, provider: str, fn: Callable[[dict], torch.Tensor], sets: list[dict], run: Run,
-            warmup: float, rep: float, config: str = "", failures_are_notes: bool = False) -> dict | None:
-    """Check ``fn`` on ``sets[0]``, then time it rotating through ``sets``; one row, or None."""
-    what = f"{case.label()} [{provider}{' ' + config if config else ''}]"
-
-    def complain(message: str) -> None:
-        # In a sweep, a config that cannot compile or launch is expected: a note, not a failure.
-        if failures_are_notes:
-            run.note(f"{what}: {message}")
-        else:
-            run.fail(what, message)
-
+def _check(case: BenchCase, provider: str, fn: Callable[[dict], torch.Tensor], sets: list[dict], run: Run,
+           what: str, complain: Callable[[str], None]) -> Accuracy | None:
+    """Run ``fn`` once on ``sets[0]`` and check it; None (reported) when it raises or is wrong."""
     try:
         out = fn(sets[0])
         synchronize(run.device)
@@ -480,25 +476,81 @@ def measure(case: BenchCase, provider: str, fn: Callable[[dict], torch.Tensor], 
         # A wrong answer is a failure even in a sweep: that config must never win.
         run.fail(what, f"accuracy check failed, not timed: {accuracy.detail}")
         return None
+    return accuracy
+
+
+def _time(fn: Callable[[dict], torch.Tensor], sets: list[dict], run: Run, warmup: float, rep: float,
+          complain: Callable[[str], None]) -> list[float] | None:
+    """[p20, p50, p80] ms of ``fn`` rotating through ``sets``; None (reported) when it raises."""
     cycle = itertools.cycle(sets)
     try:
-        times = time_ms(lambda: fn(next(cycle)), run.device, warmup, rep, run.cuda_graph)
+        return time_ms(lambda: fn(next(cycle)), run.device, warmup, rep, run.cuda_graph)
     except Exception as exc:
         complain(f"raised while timing {exception_text(exc)}")
         _recover(run.device)
         return None
-    return run.row(case, provider, times, config, accuracy)
 
 
-def run_case(case: BenchCase, run: Run, warmup: float, rep: float) -> None:
+def _complainer(run: Run, what: str, failures_are_notes: bool) -> Callable[[str], None]:
+    def complain(message: str) -> None:
+        # In a sweep, a config that cannot compile or launch is expected: a note, not a failure.
+        if failures_are_notes:
+            run.note(f"{what}: {message}")
+        else:
+            run.fail(what, message)
+    return complain
+
+
+def measure(case: BenchCase, provider: str, fn: Callable[[dict], torch.Tensor], sets: list[dict], run: Run,
+            warmup: float, rep: float, config: str = "", failures_are_notes: bool = False) -> dict | None:
+    """Check ``fn`` on ``sets[0]``, then time it rotating through ``sets``; one row, or None."""
+    what = f"{case.label()} [{provider}{' ' + config if config else ''}]"
+    complain = _complainer(run, what, failures_are_notes)
+    accuracy = _check(case, provider, fn, sets, run, what, complain)
+    if accuracy is None:
+        return None
+    times = _time(fn, sets, run, warmup, rep, complain)
+    return None if times is None else run.row(case, provider, times, config, accuracy)
+
+
+def combine_rounds(rounds: Sequence[Sequence[float]]) -> list[float]:
+    """One [p20, p50, p80] from several rounds' (each quantile's median over the rounds)."""
+    return [statistics.median(r[i] for r in rounds) for i in range(len(QUANTILES))]
+
+
+def run_case(case: BenchCase, run: Run, warmup: float, rep: float, rounds: int = 1) -> None:
+    """Check every provider, then time them ``rounds`` times, interleaved (round r times every provider
+    before round r + 1 starts), so a slow spell of the machine falls on all providers alike. A row's
+    quantiles are the medians of its rounds'; with several rounds it also keeps each round's ``p50``
+    (``p50_rounds``), so the spread stays visible."""
     sets = build_inputs(case, run)
     if sets is None:
         return
+    live = {}
     for provider, fn in case.providers.items():
-        row = measure(case, provider, fn, sets, run, warmup, rep, case.configs.get(provider, ""))
-        if row is not None:
-            print(f"  {case.label()} {provider:>14}: {format_value(row['p50'])} {metric_unit(case.metric)} "
-                  f"({row['ms']:.4g} ms, check ratio {row['accuracy_ratio']:.2f})", flush=True)
+        config = case.configs.get(provider, "")
+        what = f"{case.label()} [{provider}{' ' + config if config else ''}]"
+        complain = _complainer(run, what, False)
+        accuracy = _check(case, provider, fn, sets, run, what, complain)
+        if accuracy is not None:
+            live[provider] = (fn, config, accuracy, complain, [])
+    for _ in range(max(1, rounds)):
+        for provider, (fn, _, _, complain, times) in list(live.items()):
+            t = _time(fn, sets, run, warmup, rep, complain)
+            if t is None:
+                del live[provider]
+            else:
+                times.append(t)
+    for provider, (fn, config, accuracy, _, times) in live.items():
+        row = run.row(case, provider, combine_rounds(times), config, accuracy)
+        if len(times) > 1:
+            row["rounds"] = len(times)
+            row["p50_rounds"] = [case.flops / (t[1] * 1e-3) / 1e12 for t in times]
+        spread = ""
+        if len(times) > 1:
+            spread = f", rounds {min(row['p50_rounds']):.4g}..{max(row['p50_rounds']):.4g}"
+        print(f"  {case.label()} {provider:>14}: {format_value(row['p50'])} {metric_unit(case.metric)} "
+              f"({row['ms']:.4g} ms{spread}, check ratio {row['accuracy_ratio']:.2f})", flush=True)
     del sets
     _recover(run.device)
 
@@ -547,6 +599,24 @@ def _ratio_summary(name: str, ratios: dict[str, float], scope: str) -> str | Non
     worst = min(ratios, key=ratios.get)
     return (f"{name}: geomean {geomean(ratios.values()):.3f} over {len(ratios)} {scope} shape(s), "
             f"min {ratios[worst]:.3f} at {worst}")
+
+
+def _round_spread(name: str, cells: dict, shapes: Sequence[str], provider: str) -> str | None:
+    """The lowest and highest per-round ratio ``ours/provider`` over the shapes whose rows kept their
+    rounds (``run_case`` with several rounds pairs round r of each provider)."""
+    seen = []
+    for s in shapes:
+        ours, other = cells.get((s, OURS)), cells.get((s, provider))
+        if ours is None or other is None:
+            continue
+        a, b = ours.get("p50_rounds"), other.get("p50_rounds")
+        if a and b and len(a) == len(b):
+            seen += [(x / y, s, len(a)) for x, y in zip(a, b)]
+    if not seen:
+        return None
+    lo, hi = min(seen), max(seen)
+    return (f"{name} in single rounds: {lo[0]:.3f} ({lo[1]}) to {hi[0]:.3f} ({hi[1]}), "
+            f"{lo[2]} interleaved rounds per shape")
 
 
 def table_groups(rows: Sequence[dict]) -> list[tuple[tuple, list[dict], list[str], dict, list[str]]]:
@@ -627,6 +697,7 @@ def report(rows: Sequence[dict], op_module=None, markdown: bool = False,
                 at_anchors = {s: v for s, v in ratios[p].items() if s in anchors}
                 summary.append(_ratio_summary(f"ours/{p}", at_anchors, "anchor"))
             summary.append(_ratio_summary(f"ours/{p}", ratios[p], "measured"))
+            summary.append(_round_spread(f"ours/{p}", cells, shapes, p))
         if anchor_ratios:
             summary.append(_ratio_summary(f"ours/{anchor_label}", anchor_ratios, "anchor"))
         gpus = {r["gpu"] for r in group}
@@ -766,6 +837,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do_bench warmup in ms (default 50; sweep 10)")
     parser.add_argument("--rep", type=float, default=None,
                         help="do_bench repetition time in ms (default 200; sweep 30)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="time every provider this many times, interleaved, and keep each quantile's "
+                             "median over the rounds (default 3 on a GPU, 1 under the interpreter and in "
+                             "sweeps)")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="time replays of CUDA-graph-captured calls (no host launch overhead, for "
                              "every provider alike) instead of eager calls")
@@ -796,6 +871,10 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
         opts.warmup = 10.0 if sweep else 50.0
     if opts.rep is None:
         opts.rep = 30.0 if sweep else 200.0
+    if getattr(opts, "rounds", None) is None:
+        opts.rounds = 3 if device.type == "cuda" and not sweep else 1
+    if opts.rounds < 1:
+        raise UsageError(f"--rounds must be at least 1, got {opts.rounds}")
     run = Run(op_module.NAME, device, "sweep" if sweep else "bench", cuda_graph=opts.cuda_graph)
     env = run.env
     header = [f"tilekernels bench {op_module.NAME}{' --sweep' if sweep else ''} on {env['gpu']} — {run.date}",
@@ -803,7 +882,8 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
                f"{' · commit ' + env['commit'] if env['commit'] else ''} · run {run.run_id}")]
     if device.type == "cuda":
         header.append(f"{'CUDA-graph replays (do_bench_cudagraph)' if opts.cuda_graph else 'eager calls'}; "
-                      f"do_bench warmup {opts.warmup:g} ms, rep {opts.rep:g} ms; inputs rotate through >= 2x "
+                      f"do_bench warmup {opts.warmup:g} ms, rep {opts.rep:g} ms, {opts.rounds} interleaved "
+                      f"round(s), medians over rounds; inputs rotate through >= 2x "
                       f"L2 ({l2_bytes(device) / 2**20:.0f} MiB); "
                       f"{metric_unit(getattr(op_module, 'METRIC', 'tflops'))} = "
                       f"{getattr(op_module, 'FLOPS_FORMULA', '2*M*N*K')} / median time")
@@ -815,7 +895,7 @@ def run_bench(op_module, opts: argparse.Namespace, device: torch.device) -> int:
         text = op_module.sweep(opts, device, run)
     else:
         for case in op_module.bench_cases(opts, device):
-            run_case(case, run, opts.warmup, opts.rep)
+            run_case(case, run, opts.warmup, opts.rep, opts.rounds)
         own_report = getattr(op_module, "report_rows", None)   # an op's own tables (RESULTS.md uses them too)
         text = (own_report(run.rows, interpreter_note=False) if own_report
                 else report(run.rows, op_module, interpreter_note=False))  # the header says it already

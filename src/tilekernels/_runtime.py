@@ -273,7 +273,8 @@ def trace_event(events, clock, program, slot, kind, start, tag, MAX_EVENTS: tl.c
 
 
 def direct_launcher(compiled, device_index: int):
-    """``launch(grid0, args)`` for a kernel that ``jit_fn[grid](...)`` already compiled and returned.
+    """``launch(grid, args)`` for a kernel that ``jit_fn[grid](...)`` already compiled and returned;
+    ``grid`` is an int (1-D) or a tuple of up to three ints.
 
     Triton's ``JITFunction.run`` re-derives the specialisation of every argument on every call (the
     "binder"): ~30 us on the device machine for the GEMM's 33 runtime arguments, as long as a whole
@@ -294,10 +295,10 @@ def direct_launcher(compiled, device_index: int):
         return None
     hooks = knobs.runtime
 
-    def launch(grid0: int, args) -> None:
+    def launch(grid, args) -> None:
         stream = get_stream(device_index)
-        grid = (grid0, 1, 1)
-        run(grid0, 1, 1, stream, function, packed, launch_metadata(grid, stream, *args),
+        grid = (grid, 1, 1) if isinstance(grid, int) else (*grid, 1, 1)[:3]
+        run(grid[0], grid[1], grid[2], stream, function, packed, launch_metadata(grid, stream, *args),
             hooks.launch_enter_hook, hooks.launch_exit_hook, *args)
 
     return launch
@@ -315,7 +316,8 @@ class CachedLaunch:
 
     __slots__ = ("kernel", "grid", "constexprs", "options", "values", "launch")
 
-    def __init__(self, kernel, grid: int, constexprs: dict, **options):
+    def __init__(self, kernel, grid, constexprs: dict, **options):
+        """``grid``: an int (1-D) or a tuple of up to three ints."""
         self.kernel, self.grid, self.constexprs, self.options = kernel, grid, constexprs, options
         self.values = tuple(constexprs.values())
         self.launch = None
@@ -324,9 +326,31 @@ class CachedLaunch:
         if self.launch is not None:
             self.launch(self.grid, args + self.values)
             return
-        compiled = self.kernel[(self.grid,)](*args, **self.constexprs, **self.options)
+        grid = (self.grid,) if isinstance(self.grid, int) else tuple(self.grid)
+        compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
         if device.type == "cuda" and list(self.constexprs) == self.kernel.arg_names[len(args):]:
             self.launch = direct_launcher(compiled, device.index)
+
+
+def descriptor_template(view: torch.Tensor, shape, strides, block_shape):
+    """A host TensorDescriptor over ``view`` validated once and holding no tensor (a cached plan that
+    kept the first call's operands would keep their memory alive); ``rebase`` puts each call's tensor
+    of the same shape, strides and alignment under it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    template = TensorDescriptor(view, list(shape), list(strides), list(block_shape))
+    template.base = None
+    return template
+
+
+def rebase(template, view: torch.Tensor):
+    """``template`` (``descriptor_template``, already validated for this shape, strides and alignment)
+    over ``view``'s storage, without re-running the constructor's checks (~5 us each on the device
+    host)."""
+    d = object.__new__(type(template))
+    d.__dict__.update(template.__dict__)
+    d.base = view
+    return d
 
 
 def tensor_key(t: torch.Tensor | None):

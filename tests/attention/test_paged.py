@@ -36,6 +36,7 @@ import triton.language as tl
 
 import tilekernels as tk
 from tilekernels.attention import _paged_kernels
+from tilekernels.attention import paged as paged_api
 from tilekernels.attention._paged_kernels import paged_row_offsets
 from tilekernels.attention.reference import (
     PagedKV,
@@ -633,6 +634,46 @@ def test_torch_compile_fullgraph(device):
     for label, first, second in zip(("out", "lse", "decode out", "decode lse", "merged", "merged lse"), eager,
                                     got):
         assert torch.equal(first, second), f"compiled and eager {label} differ"
+
+
+def _must_not_dispatch(*args, **kwargs):
+    raise AssertionError("a plain eager call went through the torch.library op")
+
+
+def test_cached_plans_serve_new_tensors_of_one_signature(monkeypatch, device):
+    """Eager calls skip the custom op and keep one plan per call signature: a second call on other
+    queries, caches, tables and scales of the same shapes runs through the first call's plan (TMA
+    descriptors rebased onto the new caches) and is as right as the first."""
+    monkeypatch.setattr(paged_api, "_PLANS", {})
+    monkeypatch.setattr(paged_api, "_paged_op", _must_not_dispatch)
+    monkeypatch.setattr(_paged_kernels, "tma_mode", True)   # descriptors, also under the interpreter
+    prefill = case(SQ, SK, page_size=16, table="2d", causal=True, kv_dtype=E4M3, scale="page")
+    decode = decode_case(DK, page_size=16, window_left=7)
+    for call in (1, 2):
+        torch.manual_seed(call)
+        problem = make_paged_problem(prefill, device)
+        out, lse = run_prefill(problem)
+        check_against_reference(f"{prefill.name}-call{call}", problem, out, lse)
+        problem = make_paged_problem(decode, device)
+        out, lse = run_decode(problem, num_splits=3)
+        check_against_reference(f"{decode.name}-call{call}", problem, out, lse)
+        assert len(paged_api._PLANS) == 2, f"call {call}: {len(paged_api._PLANS)} plans"
+
+
+def test_a_strided_table_is_copied_on_every_call_not_planned(monkeypatch, device):
+    """An index tensor whose last dim is strided is copied contiguous on each call; its plan is not
+    cached (the cached path hands the caller's tensors to the kernel as they are)."""
+    monkeypatch.setattr(paged_api, "_PLANS", {})
+    problem = make_paged_problem(case(SQ, SK, page_size=3, table="2d"), device)
+    kwargs = problem.kwargs()
+    strided = torch.stack([kwargs["block_table"], kwargs["block_table"]], dim=-1)[..., 0]
+    assert strided.stride(-1) == 2
+    want, want_lse = run_prefill(problem)
+    assert len(paged_api._PLANS) == 1
+    for _ in range(2):
+        out, lse = run_prefill(problem, block_table=strided)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert len(paged_api._PLANS) == 1
 
 
 # ====================================================================================================

@@ -19,12 +19,19 @@ from typing import Optional
 import torch
 
 from .._runtime import (
+    CachedLaunch,
+    cache_put,
     cdiv,
     check_runnable,
+    descriptor_template,
     ensure_cuda_context,
     is_interpreter,
+    on_current_device,
+    plain_eager,
+    rebase,
     sm_count,
     supports_tensor_descriptors,
+    tensor_key,
 )
 from . import _paged_kernels as kern
 from ._fwd import LOG2E, head_dim_pad
@@ -238,25 +245,39 @@ def _use_tma(cache: _Cache, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 
 def _page_descriptor(cache: torch.Tensor, block_n: int, pad: int):
-    """A tensor descriptor over a linear cache ``[pages, page_size, H_kv, D]``, block ``[1, block_n, 1, pad]``
-    (columns past D read as 0)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, block_n, 1, pad])
+    """A descriptor template over a linear cache ``[pages, page_size, H_kv, D]``, block ``[1, block_n, 1,
+    pad]`` (columns past D read as 0); ``rebase`` puts each call's cache under it."""
+    return descriptor_template(cache, cache.shape, cache.stride(), [1, block_n, 1, pad])
 
 
-def _launch(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scales, out, lse, causal: bool,
-            softmax_scale: float, logits_soft_cap: float, window_left: int, num_splits: int | None) -> None:
+class _Plan:
+    """Everything about one paged-attention launch that its signature fixes (shapes, strides, dtypes,
+    alignments, options): worked out and checked once, then reused by every call with that signature,
+    whose host cost is then little more than the launches (``CachedLaunch``: triton's compiled launcher
+    directly). Eager decode at 8 x 32768 keys runs ~0.4 ms on an H100; the dispatcher, the checks and
+    two binder passes cost about as much on the device host, which made eager timings host-bound."""
+
+    __slots__ = ("attn", "merge", "num_splits", "use_tma", "k_desc", "v_desc", "ints", "part_shapes")
+
+
+# call signature -> _Plan (``_plan_key``)
+_PLANS: dict = {}
+
+
+def _plan_key(q, k_cache, v_cache, qo_indptr, tables, k_scale, v_scale, out, causal, logits_soft_cap, window_left,
+              num_splits):
+    """What a plan depends on: everything triton specialises on (dtypes, integer values, 16-byte
+    alignment, None-ness) and everything the launch is worked out from, plus the test knobs."""
+    return (q.device, *map(tensor_key, (q, k_cache, v_cache, qo_indptr, *tables, k_scale, v_scale, out)), causal,
+            logits_soft_cap > 0, window_left, num_splits, kern.config_override, kern.tma_mode)
+
+
+def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scales, out, causal: bool,
+               logits_soft_cap: float, window_left: int, num_splits: int | None) -> _Plan:
     decode = qo_indptr is None
     total_q, num_heads, head_dim = q.shape
     batch = total_q if decode else qo_indptr.shape[0] - 1
-    if total_q == 0:
-        return
-    if batch == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return
-    (k_scale, k_value, k_mode), (v_scale, v_value, v_mode) = scales
+    (_, _, k_mode), (_, _, v_mode) = scales
     group = num_heads // cache.kv_heads
     pad = head_dim_pad(head_dim)
     cfg = kern.paged_config(pad, decode, _use_tma(cache, k_cache, v_cache, 64), k_cache.element_size())
@@ -277,55 +298,122 @@ def _launch(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scales, 
     else:
         grid0 = total_q // queries_per_tile + batch
         num_splits = 1
-
-    if logits_soft_cap > 0:
-        scalars = (0.0, logits_soft_cap * LOG2E, softmax_scale * k_value / logits_soft_cap)
-    else:
-        scalars = (softmax_scale * k_value * LOG2E, 0.0, 0.0)
+    plan = _Plan()
+    plan.num_splits = num_splits
     if num_splits > 1:
-        part = torch.empty((num_splits, *q.shape), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, total_q, num_heads), dtype=torch.float32, device=q.device)
-        dst, dst_lse = part, part_lse
-        split_strides = (part.stride(0), part_lse.stride(0))
+        plan.part_shapes = ((num_splits, *q.shape), (num_splits, total_q, num_heads))
+        o_strides = (num_heads * head_dim, head_dim)
+        l_strides = (num_heads, 1)
+        split_strides = (total_q * num_heads * head_dim, total_q * num_heads)
     else:
-        dst, dst_lse = out, lse
+        plan.part_shapes = None
+        o_strides = (out.stride(-3), out.stride(-2))
+        l_strides = (num_heads, 1)   # lse is allocated contiguous [total_q, H]
         split_strides = (0, 0)
-    page_table = table["page_table"] if table["page_table"].numel() else q  # a stand-in that is never read
+    page_table = table["page_table"]
+    plan.use_tma = _use_tma(cache, k_cache, v_cache, cfg.block_n)
+    plan.k_desc = _page_descriptor(k_cache, cfg.block_n, pad) if plan.use_tma else None
+    plan.v_desc = _page_descriptor(v_cache, cfg.block_n, pad) if plan.use_tma else None
     # per-page scales are [num_pages, H_kv], contiguous (``_scale`` made them so): strides (H_kv, 1)
-    scale_strides = (cache.kv_heads, 1)
-    use_tma = _use_tma(cache, k_cache, v_cache, cfg.block_n)
-    if use_tma:
-        if q.is_cuda:
-            ensure_cuda_context(q.device.index)
-        k_src, v_src = (_page_descriptor(t, cfg.block_n, pad) for t in (k_cache, v_cache))
-    else:
-        k_src, v_src = k_cache, v_cache
-    grid = (grid0, num_heads // heads_per_tile, num_splits)
-    kern._paged_attn[grid](
-        q, k_src, v_src, dst, dst_lse,
-        q if decode else qo_indptr, table.get("kv_indptr", page_table), page_table,
-        table.get("last_page_len", page_table), table.get("seqlen_k", page_table),
-        q if k_scale is None else k_scale, q if v_scale is None else v_scale,
-        q.stride(0), q.stride(1), dst.stride(-3), dst.stride(-2), dst_lse.stride(-2), dst_lse.stride(-1),
-        *split_strides, *cache.k_strides, *cache.v_strides,
-        page_table.stride(0) if table["table_2d"] else 0, *scale_strides,
-        batch, num_heads, group, *scalars, v_value, window_left,
+    plan.ints = (q.stride(0), q.stride(1), *o_strides, *l_strides, *split_strides, *cache.k_strides,
+                 *cache.v_strides, page_table.stride(0) if table["table_2d"] and page_table.numel() else 0,
+                 cache.kv_heads, 1, batch, num_heads, group)
+    plan.attn = CachedLaunch(kern._paged_attn, (grid0, num_heads // heads_per_tile, num_splits), dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, PAGE_SIZE=cache.page_size,
         K_XS=cache.k_x[0], K_XD=cache.k_x[1], V_XS=cache.v_x[0], V_XD=cache.v_x[1],
         HP=heads_per_tile, BLOCK_M=block_m, BLOCK_N=cfg.block_n, DECODE=decode,
         SEARCH_STEPS=max(1, batch.bit_length()), TABLE_2D=table["table_2d"], CAUSAL=causal and not decode,
         HAS_LEFT=window_left >= 0, HAS_SOFTCAP=logits_soft_cap > 0, K_SCALE=k_mode, V_SCALE=v_mode,
-        NUM_SPLITS=num_splits, USE_TMA=use_tma,
-        SAME_ROWS=cache.k_strides[:4] == cache.v_strides[:4] and cache.k_x[0] == cache.v_x[0],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        NUM_SPLITS=num_splits, USE_TMA=plan.use_tma,
+        SAME_ROWS=cache.k_strides[:4] == cache.v_strides[:4] and cache.k_x[0] == cache.v_x[0]),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    plan.merge = None
     if num_splits > 1:
         block_h = min(16, 1 << (num_heads - 1).bit_length())
-        kern._merge_splits[(total_q, cdiv(num_heads, block_h))](
-            part, part_lse, out, lse, total_q, num_heads, part.stride(0), part_lse.stride(0),
-            part.stride(1), part.stride(2), part_lse.stride(1), part_lse.stride(2),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_H=block_h, NUM_SPLITS=num_splits)
+        plan.merge = CachedLaunch(kern._merge_splits, (total_q, cdiv(num_heads, block_h)), dict(
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_H=block_h, NUM_SPLITS=num_splits))
+    return plan
+
+
+def _launch(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, scales, out, lse, softmax_scale: float,
+            logits_soft_cap: float, window_left: int) -> None:
+    """One call of ``plan`` on these tensors (which match the signature the plan was made for)."""
+    (k_scale, k_value, _), (v_scale, v_value, _) = scales
+    if logits_soft_cap > 0:
+        scalars = (0.0, logits_soft_cap * LOG2E, softmax_scale * k_value / logits_soft_cap)
+    else:
+        scalars = (softmax_scale * k_value * LOG2E, 0.0, 0.0)
+    if plan.num_splits > 1:
+        dst = torch.empty(plan.part_shapes[0], dtype=torch.float32, device=q.device)
+        dst_lse = torch.empty(plan.part_shapes[1], dtype=torch.float32, device=q.device)
+    else:
+        dst, dst_lse = out, lse
+    if plan.use_tma:
+        if q.is_cuda:
+            ensure_cuda_context(q.device.index)
+        k_src, v_src = rebase(plan.k_desc, k_cache), rebase(plan.v_desc, v_cache)
+    else:
+        k_src, v_src = k_cache, v_cache
+    page_table = table["page_table"] if table["page_table"].numel() else q  # a stand-in that is never read
+    plan.attn((q, k_src, v_src, dst, dst_lse, q if qo_indptr is None else qo_indptr,
+               table.get("kv_indptr", page_table), page_table, table.get("last_page_len", page_table),
+               table.get("seqlen_k", page_table), q if k_scale is None else k_scale,
+               q if v_scale is None else v_scale, *plan.ints, *scalars, v_value, window_left), q.device)
+    if plan.merge is not None:
+        total_q, num_heads = q.shape[:2]
+        plan.merge((dst, dst_lse, out, lse, total_q, num_heads, dst.stride(0), dst_lse.stride(0), dst.stride(1),
+                    dst.stride(2), dst_lse.stride(1), dst_lse.stride(2), out.stride(0), out.stride(1),
+                    lse.stride(0), lse.stride(1)), q.device)
+
+
+def _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,
+         k_scale, v_scale, out, lse, causal, softmax_scale, logits_soft_cap, window_left, k_scale_value,
+         v_scale_value, num_splits) -> None:
+    """The op's body (and the eager path's, without the dispatcher): check the caches, page table and
+    scales once per call signature (their geometry is shapes and strides only), then launch."""
+    if not on_current_device(q):
+        with torch.cuda.device(q.device):  # triton launches on the current device
+            return _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table,
+                        seqlen_k, k_scale, v_scale, out, lse, causal, softmax_scale, logits_soft_cap, window_left,
+                        k_scale_value, v_scale_value, num_splits)
+    decode = qo_indptr is None
+    total_q = q.shape[0]
+    batch = total_q if decode else qo_indptr.shape[0] - 1
+    tables = (kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k)
+    key = _plan_key(q, k_cache, v_cache, qo_indptr, tables, k_scale, v_scale, out, causal, logits_soft_cap,
+                    window_left, num_splits)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        table = ({"kv_indptr": kv_indptr, "page_table": kv_page_indices, "last_page_len": kv_last_page_len}
+                 if block_table is None else {"page_table": block_table, "seqlen_k": seqlen_k})
+        modes = (kern.SCALE_NONE if k_scale is None else plan.attn.constexprs["K_SCALE"],
+                 kern.SCALE_NONE if v_scale is None else plan.attn.constexprs["V_SCALE"])
+        scales = ((k_scale, k_scale_value, modes[0]), (v_scale, v_scale_value, modes[1]))
+    else:
+        cache = _Cache(k_cache, v_cache, q.shape[-1], q.dtype, q.device)
+        if q.shape[1] % cache.kv_heads:
+            raise ValueError(f"q's head count ({q.shape[1]}) must be a multiple of the caches' ({cache.kv_heads})")
+        table = _table(batch, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k, q.device)
+        scales = tuple(_scale(name, t, value, cache, q.device) for name, t, value in
+                       (("k_scale", k_scale, k_scale_value), ("v_scale", v_scale, v_scale_value)))
+    if total_q == 0:
+        return
+    if batch == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    if plan is None:
+        plan = _make_plan(q, k_cache, v_cache, qo_indptr, table, cache, scales, out, causal, logits_soft_cap,
+                          window_left, num_splits or None)
+        # cache the plan only where the checks handed back the caller's own tensors (an index tensor with
+        # a strided last dim, or a per-page scale that is not contiguous, is copied on every call)
+        given = {id(t) for t in (*tables, k_scale, v_scale) if t is not None}
+        handed = {id(t) for t in (*(v for v in table.values() if isinstance(v, torch.Tensor)),
+                                  scales[0][0], scales[1][0]) if t is not None}
+        if handed <= given:
+            cache_put(_PLANS, key, plan, 256)
+    _launch(plan, q, k_cache, v_cache, qo_indptr, table, scales, out, lse, softmax_scale, logits_soft_cap,
+            window_left)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,15 +431,9 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_
     table and scales are checked here, where their geometry is worked out (once per call). ``qo_indptr``
     None means decode (one query per sequence); ``num_splits`` 0 is automatic; host-float scales arrive
     as ``*_scale_value`` with the tensor None."""
-    batch = q.shape[0] if qo_indptr is None else qo_indptr.shape[0] - 1
-    cache = _Cache(k_cache, v_cache, q.shape[-1], q.dtype, q.device)
-    if q.shape[1] % cache.kv_heads:
-        raise ValueError(f"q's head count ({q.shape[1]}) must be a multiple of the caches' ({cache.kv_heads})")
-    table = _table(batch, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k, q.device)
-    scales = tuple(_scale(name, t, value, cache, q.device)
-                   for name, t, value in (("k_scale", k_scale, k_scale_value), ("v_scale", v_scale, v_scale_value)))
-    _launch(q, k_cache, v_cache, qo_indptr, table, cache, scales, out, lse, causal, softmax_scale,
-            logits_soft_cap, window_left, num_splits or None)
+    _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,
+         k_scale, v_scale, out, lse, causal, softmax_scale, logits_soft_cap, window_left, k_scale_value,
+         v_scale_value, num_splits)
 
 
 @_paged_op.register_fake
@@ -385,9 +467,12 @@ def _paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_p
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
-    _paged_op(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,
-              k_tensor, v_tensor, out, lse, causal, float(softmax_scale), float(logits_soft_cap), int(window_left),
-              k_value, v_value, int(num_splits or 0))
+    # plain eager calls skip the dispatcher (~240 us of host time per custom-op call on the device host,
+    # about as long as a long-context decode); torch.compile, fake tensors and subclasses go through the op
+    run = _run if all(plain_eager(t) for t in (q, k_cache, v_cache)) else _paged_op
+    run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,
+        k_tensor, v_tensor, out, lse, causal, float(softmax_scale), float(logits_soft_cap), int(window_left),
+        k_value, v_value, int(num_splits or 0))
     return (out, lse) if return_lse else out
 
 

@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_runnable, ensure_cuda_context, error_table,
-                        fp32_precision, is_interpreter, on_current_device, plain_eager, sm_count,
-                        supports_tensor_descriptors, tensor_key)
+from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_runnable, descriptor_template,
+                        ensure_cuda_context, error_table, fp32_precision, is_interpreter, on_current_device,
+                        plain_eager, rebase, sm_count, supports_tensor_descriptors, tensor_key)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
 from .scheduler import AsyncInputScheduler
@@ -164,23 +164,9 @@ def _tma_view(t: torch.Tensor):
 
 
 def _descriptor(view: torch.Tensor, block_shape):
-    """A validated descriptor template for ``view``'s shape, strides and alignment; ``_rebase`` puts
-    each call's tensor under it. The template keeps no tensor: a cached plan holding the first call's
-    operands (or its output) would keep their memory alive."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    template = TensorDescriptor(view, list(view.shape), list(view.stride()), list(block_shape))
-    template.base = None
-    return template
-
-
-def _rebase(template, view: torch.Tensor):
-    """``template`` (a TensorDescriptor already validated for this shape, strides and alignment) over
-    ``view``'s storage, without re-running the constructor's checks (~5 us each on the device host)."""
-    d = object.__new__(type(template))
-    d.__dict__.update(template.__dict__)
-    d.base = view
-    return d
+    """A validated descriptor template for ``view``'s shape, strides and alignment (``rebase`` puts each
+    call's tensor under it)."""
+    return descriptor_template(view, view.shape, view.stride(), block_shape)
 
 
 def _bcast_strides(t: torch.Tensor | None, M: int, N: int) -> tuple[int, int]:
@@ -380,12 +366,12 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     if plan.use_tma:
         if a.is_cuda:
             ensure_cuda_context(a.device.index)
-        a_arg = _rebase(plan.a_desc, a.t() if plan.a_trans else a)
-        b_arg = _rebase(plan.b_desc, b.t() if plan.b_trans else b)
+        a_arg = rebase(plan.a_desc, a.t() if plan.a_trans else a)
+        b_arg = rebase(plan.b_desc, b.t() if plan.b_trans else b)
     else:
         a_arg, b_arg = a, b
-    c_arg = c if plan.c_desc is None else _rebase(plan.c_desc, c)
-    res_arg = residual if plan.res_desc is None else _rebase(plan.res_desc, residual)
+    c_arg = c if plan.c_desc is None else rebase(plan.c_desc, c)
+    res_arg = residual if plan.res_desc is None else rebase(plan.res_desc, residual)
     M, N = plan.ints[0], plan.ints[1]
     partials = None
     if plan.split_k > 1:

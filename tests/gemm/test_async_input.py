@@ -230,11 +230,13 @@ class ChunkProducer:
 
 
 @gpu
-@pytest.mark.parametrize("m, chunks", [(2048, 8), (2000, 8)], ids=["whole-tiles", "straddling"])
-def test_gpu_producer_on_second_stream(m, chunks, device):
+@pytest.mark.parametrize("m, n, chunks", [(2048, 1024, 8), (2000, 1024, 8), (4096, 4096, 4)],
+                         ids=["whole-tiles", "straddling", "large-tile"])
+def test_gpu_producer_on_second_stream(m, n, chunks, device):
     """100 calls, epochs 1..100 (signals never zeroed), the producer racing the GEMM: bit-exact with
-    tk.gemm on the whole A every time."""
-    n, k = 1024, 1024
+    tk.gemm on the whole A every time. "large-tile" takes the large config, where the async kernel's
+    row-tile group differs from tk.gemm's (``configs.ASYNC_LARGE_GROUP_M``)."""
+    k = 1024
     host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
     b = random_matrix(k, n, torch.bfloat16, device, column_major=True)
     expected = tk.gemm(host_a.to(device), b)

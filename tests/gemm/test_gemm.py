@@ -402,6 +402,21 @@ def test_cached_plan_keeps_no_tensor_alive(device):
     assert all(r() is None for r in refs), "the cached plan keeps a call's tensors alive"
 
 
+def test_async_input_takes_the_wider_group_on_large_tiles(monkeypatch):
+    """The async-input kernel's own choice (configs.ASYNC_LARGE_GROUP_M): the large tile with a wider
+    row-tile group on Hopper; every other class, and tk.gemm itself, as tuned."""
+    from tilekernels.gemm import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    hopper = torch.device("cuda", 0)
+    plain = select_config(16384, 8192, 8192, torch.bfloat16, hopper)
+    waited = select_config(16384, 8192, 8192, torch.bfloat16, hopper, async_input=True)
+    assert plain == TUNED_HOPPER_16BIT["large"]
+    assert waited == dataclasses.replace(plain, group_m=configs.ASYNC_LARGE_GROUP_M) and waited.group_m != plain.group_m
+    medium = select_config(2048, 2048, 8192, torch.bfloat16, hopper, async_input=True)
+    assert medium == TUNED_HOPPER_16BIT["medium"]
+
+
 def test_candidate_configs(device):
     """Every config the sweep would try on this device, on one small odd shape (the GPU lane has a
     bigger one, with the tuned configs too)."""

@@ -239,10 +239,11 @@ def _torch_async(x: dict) -> torch.Tensor:
     return torch.ops.symm_mem._async_input_mm(x["a"], x["b"], x["signals"], 1)
 
 
-def _default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, split_k) -> str:
+def _default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, split_k,
+                    async_input: bool = False) -> str:
     from ..gemm.configs import select_config
 
-    text = select_config(M, N, K, dtype, device).describe()
+    text = select_config(M, N, K, dtype, device, async_input).describe()
     return text if split_k == 1 else f"{text} split_k={split_k}"
 
 
@@ -305,7 +306,7 @@ def _case(shape: dict, dtype: torch.dtype, layout: str, device: torch.device, se
         layout=layout,
         flops=2.0 * M * N * K, set_bytes=set_bytes, make_inputs=make_inputs, providers=providers,
         check=_make_check(M, N, "gelu" if epilogue else None, out_dtype, device),
-        configs={OURS: _default_config(M, N, K, dtype, device, split_k)},
+        configs={OURS: _default_config(M, N, K, dtype, device, split_k, async_input)},
     )
 
 

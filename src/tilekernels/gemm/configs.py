@@ -123,8 +123,20 @@ def shape_class(M: int, N: int, K: int) -> str:
     return "large"
 
 
-def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
-    """The launch config for one problem; an active ``override_config`` wins."""
+# The async-input GEMM (signals preset; H100, bf16, B column-major, K 8192, 2026-11-22, 4 interleaved
+# rounds of do_bench medians, TFLOP/s): with the large tile, a group of 16 row tiles instead of 8 gave
+# 705 / 688 / 707 at M 16384 / 4096 / 8192 and N 8192 against 676 / 682 / 691 (torch's
+# _async_input_mm 690 / 685 / 688, tk.gemm with 8: 713 / 689 / 703). Its tile-start wait drains the
+# operand pipeline at every tile, which tk.gemm's fused tile loop does not; the wider group's better
+# L2 reuse of B makes that up. Other variants (3 stages, group 4, warp specialisation, 256x128 tiles,
+# unfused loops) were level or slower (benchmarks/NOTES.md).
+ASYNC_LARGE_GROUP_M = 16
+
+
+def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
+                  async_input: bool = False) -> GemmConfig:
+    """The launch config for one problem (``async_input``: for the async-input kernel, which waits for
+    its rows at every tile); an active ``override_config`` wins."""
     if _override:
         return _override[-1]
     if device.type != "cuda":
@@ -134,7 +146,10 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
         # fp32 FMA with a compensation term: two fp32 tiles live, so smaller tiles (not yet tuned).
         return GemmConfig(64, 64, 32, 8, 4, 3, use_tma=major >= 9) if M <= 64 else GemmConfig(128, 128, 32, 8, 8, 3, use_tma=major >= 9)
     table = TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT
-    cfg = table[shape_class(M, N, K)]
+    cls = shape_class(M, N, K)
+    cfg = table[cls]
+    if async_input and cls == "large":
+        cfg = dataclasses.replace(cfg, group_m=ASYNC_LARGE_GROUP_M)
     if major < 9:
         cfg = dataclasses.replace(cfg, use_tma=False, warp_specialize=False,
                                   num_stages=min(cfg.num_stages, 3))

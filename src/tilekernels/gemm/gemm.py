@@ -227,7 +227,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
                trace=None) -> _Plan:
     M, K = a.shape
     N = b.shape[1]
-    cfg = select_config(M, N, K, a.dtype, a.device)
+    cfg = select_config(M, N, K, a.dtype, a.device, async_input is not None)
     if split_k == _AUTO_SPLIT:
         split_k = auto_split_k(M, N, K, cfg, a.device)
     k_per_split = cdiv(cdiv(K, split_k), cfg.block_k) * cfg.block_k if K else cfg.block_k

@@ -636,6 +636,18 @@ def test_torch_compile_fullgraph(device):
         assert torch.equal(first, second), f"compiled and eager {label} differ"
 
 
+def test_causal_prefill_takes_its_own_gather_config(monkeypatch):
+    """Gathered rows under a causal mask at D 128 take ``PREFILL_GATHER_CAUSAL_CONFIGS``; full masks, TMA
+    pages, decode and other head dims keep their tables."""
+    monkeypatch.setattr(_paged_kernels, "is_interpreter", lambda: False)
+    pick = _paged_kernels.paged_config
+    assert pick(128, False, False, 2, causal=True) == _paged_kernels.PREFILL_GATHER_CAUSAL_CONFIGS[128]
+    assert pick(128, False, False, 2) == _paged_kernels.PREFILL_GATHER_CONFIGS[128]
+    assert pick(128, False, True, 2, causal=True) == _paged_kernels.PREFILL_TMA_CONFIGS[128]
+    assert pick(128, True, False, 2, causal=True) == _paged_kernels.DECODE_CONFIGS[128]
+    assert pick(64, False, False, 2, causal=True) == _paged_kernels.PREFILL_GATHER_CONFIGS[64]
+
+
 def _must_not_dispatch(*args, **kwargs):
     raise AssertionError("a plain eager call went through the torch.library op")
 

@@ -399,6 +399,12 @@ PREFILL_GATHER_CONFIGS = {
     16: PagedConfig(128, 128, 8, 3), 32: PagedConfig(128, 128, 8, 3), 64: PagedConfig(128, 128, 8, 3),
     128: PagedConfig(128, 128, 8, 3), 256: PagedConfig(64, 64, 4, 2),
 }
+# Causal masks, gathered rows (H100, page 16, 4 x 4096 queries and keys, D 128, 3 interleaved rounds,
+# ours / contiguous flash_attn_varlen_func in the same run, 2026-11-22): 128x64/8/3 0.901 (H 16 / H_kv
+# 16) and 0.908 (32 / 8) against 0.876 and 0.892 for 128x128/8/3, which stays ahead for full masks
+# (0.942 / 0.960 against 0.899 / 0.907). 128x64/8/4 0.892 / 0.861, 128x32/8/4 0.74-0.76, 64x128/4/3
+# 0.61, 128x64/4/3 0.38-0.41. Other head dims: the full-mask table.
+PREFILL_GATHER_CAUSAL_CONFIGS = {128: PagedConfig(128, 64, 8, 3)}
 # decode: BLOCK_M is raised to fit the packed heads; bandwidth-bound (1.04-1.06x the copy-bandwidth
 # floor at D 128 with these, page sizes 1, 16 and 64)
 DECODE_CONFIGS = {
@@ -420,13 +426,18 @@ config_override: PagedConfig | None = None
 # the pointer path; True forces descriptors wherever the layout allows, also under the interpreter
 tma_mode: bool | None = None
 
-def paged_config(head_dim_pad: int, decode: bool, tma_pages: bool, kv_bytes: int) -> PagedConfig:
+def paged_config(head_dim_pad: int, decode: bool, tma_pages: bool, kv_bytes: int,
+                 causal: bool = False) -> PagedConfig:
     """The launch config; ``tma_pages``: the layout and page size allow TMA loads of 64-key blocks;
-    ``kv_bytes``: the cache's element size."""
+    ``kv_bytes``: the cache's element size; ``causal``: a causal prefill."""
     if config_override is not None:
         return config_override
     if is_interpreter():
         return INTERPRETER_CONFIG
     if decode:
         return (DECODE_FP8_CONFIGS if kv_bytes == 1 else DECODE_CONFIGS)[head_dim_pad]
-    return (PREFILL_TMA_CONFIGS if tma_pages else PREFILL_GATHER_CONFIGS)[head_dim_pad]
+    if tma_pages:
+        return PREFILL_TMA_CONFIGS[head_dim_pad]
+    if causal and head_dim_pad in PREFILL_GATHER_CAUSAL_CONFIGS:
+        return PREFILL_GATHER_CAUSAL_CONFIGS[head_dim_pad]
+    return PREFILL_GATHER_CONFIGS[head_dim_pad]

@@ -28,8 +28,9 @@ edit by hand. Figures are TFLOP/s medians of `triton.testing.do_bench` (eager) o
 (memory-bound ops: TB/s, as their tables' titles say; tk.dist ops: milliseconds of the slowest rank,
 timed across ranks, with speedups and overlap limits). Runs since the `--rounds` option time every
 provider in three interleaved rounds and give each quantile's median over them; their tables add the
-lowest and highest single-round ratio. Every provider passed an accuracy check against the fp64 reference before it was timed. Ratios are taken
-within one run (machines are noisy); anchor figures come from `ANCHORS.md`. How configs were chosen
+lowest and highest single-round ratio. Every provider passed an accuracy check against the fp64
+reference before it was timed. Ratios are taken within one run (machines are noisy, and each device
+call may land on another card); anchor figures come from `ANCHORS.md`. How configs were chosen
 and what the numbers mean (host overhead, fp32 modes): `NOTES.md` beside this file.
 """
 

@@ -672,6 +672,19 @@ def test_cached_plans_serve_new_tensors_of_one_signature(monkeypatch, device):
         assert len(paged_api._PLANS) == 2, f"call {call}: {len(paged_api._PLANS)} plans"
 
 
+def test_a_planned_signature_still_checks_devices(monkeypatch, device):
+    """A cached plan skips the checks, so its key holds every tensor's device: the same shapes with a
+    cache elsewhere miss it and get the check's error."""
+    monkeypatch.setattr(paged_api, "_PLANS", {})
+    problem = make_paged_problem(case(SQ, SK, page_size=3), device)
+    run_prefill(problem)
+    assert len(paged_api._PLANS) == 1
+    elsewhere = dataclasses.replace(problem, paged=dataclasses.replace(problem.paged,
+                                                                       v_cache=problem.paged.v_cache.to("meta")))
+    with pytest.raises(ValueError, match="v_cache must be on q's device"):
+        run_prefill(elsewhere)
+
+
 def test_a_strided_table_is_copied_on_every_call_not_planned(monkeypatch, device):
     """An index tensor whose last dim is strided is copied contiguous on each call; its plan is not
     cached (the cached path hands the caller's tensors to the kernel as they are)."""

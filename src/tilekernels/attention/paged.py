@@ -257,7 +257,7 @@ class _Plan:
     directly). Eager decode at 8 x 32768 keys runs ~0.4 ms on an H100; the dispatcher, the checks and
     two binder passes cost about as much on the device host, which made eager timings host-bound."""
 
-    __slots__ = ("attn", "merge", "num_splits", "use_tma", "k_desc", "v_desc", "ints", "part_shapes")
+    __slots__ = ("attn", "merge", "num_splits", "use_tma", "k_desc", "v_desc", "ints", "part_shapes", "scale_modes")
 
 
 # call signature -> _Plan (``_plan_key``)
@@ -303,15 +303,15 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
         num_splits = 1
     plan = _Plan()
     plan.num_splits = num_splits
+    plan.scale_modes = (k_mode, v_mode)
+    l_strides = (num_heads, 1)   # lse and the partial lse are [.., total_q, H], contiguous
     if num_splits > 1:
         plan.part_shapes = ((num_splits, *q.shape), (num_splits, total_q, num_heads))
         o_strides = (num_heads * head_dim, head_dim)
-        l_strides = (num_heads, 1)
         split_strides = (total_q * num_heads * head_dim, total_q * num_heads)
     else:
         plan.part_shapes = None
         o_strides = (out.stride(-3), out.stride(-2))
-        l_strides = (num_heads, 1)   # lse is allocated contiguous [total_q, H]
         split_strides = (0, 0)
     page_table = table["page_table"]
     plan.use_tma = _use_tma(cache, k_cache, v_cache, cfg.block_n)
@@ -389,9 +389,7 @@ def _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_pag
     if plan is not None:
         table = ({"kv_indptr": kv_indptr, "page_table": kv_page_indices, "last_page_len": kv_last_page_len}
                  if block_table is None else {"page_table": block_table, "seqlen_k": seqlen_k})
-        modes = (kern.SCALE_NONE if k_scale is None else plan.attn.constexprs["K_SCALE"],
-                 kern.SCALE_NONE if v_scale is None else plan.attn.constexprs["V_SCALE"])
-        scales = ((k_scale, k_scale_value, modes[0]), (v_scale, v_scale_value, modes[1]))
+        scales = ((k_scale, k_scale_value, plan.scale_modes[0]), (v_scale, v_scale_value, plan.scale_modes[1]))
     else:
         cache = _Cache(k_cache, v_cache, q.shape[-1], q.dtype, q.device)
         if q.shape[1] % cache.kv_heads:

@@ -126,10 +126,10 @@ def shape_class(M: int, N: int, K: int) -> str:
 # The async-input GEMM (signals preset; H100, bf16, B column-major, K 8192, 2026-11-22, 4 interleaved
 # rounds of do_bench medians, TFLOP/s): with the large tile, a group of 16 row tiles instead of 8 gave
 # 705 / 688 / 707 at M 16384 / 4096 / 8192 and N 8192 against 676 / 682 / 691 (torch's
-# _async_input_mm 690 / 685 / 688, tk.gemm with 8: 713 / 689 / 703). Its tile-start wait drains the
-# operand pipeline at every tile, which tk.gemm's fused tile loop does not; the wider group's better
-# L2 reuse of B makes that up. Other variants (3 stages, group 4, warp specialisation, 256x128 tiles,
-# unfused loops) were level or slower (benchmarks/NOTES.md).
+# _async_input_mm 690 / 685 / 688, tk.gemm with 8: 713 / 689 / 703). Why the async kernel trails tk.gemm
+# with 8 is not pinned down (the per-tile wait is the only difference; the compiled pipeline was not
+# inspected), nor why 16 helps it more. Other variants (3 stages, group 4, warp specialisation, 256x128
+# tiles, unfused loops) were level or slower (benchmarks/NOTES.md).
 ASYNC_LARGE_GROUP_M = 16
 
 

@@ -28,7 +28,8 @@ once ``chunk_signals[c] >= signal_value``. The protocol, as the kernel runs it:
   and never zeroes the signals or barriers between calls.
 - Bounded: after ``max_spins`` polls the chunk is recorded in the error table (``_runtime``), the tile
   is skipped (its K loop reads from row M on, which TMA zero-fills, and it stores nothing) and the
-  program goes on with its other tiles; a later wait on a chunk already recorded gives up at once. The host raises ``TimeoutError`` naming the chunk.
+  program goes on with its other tiles; a later wait on a chunk already recorded gives up at once. The
+  host raises ``TimeoutError`` naming the chunk.
 - Cost when every chunk has arrived: one acquire atomic per chunk per tile before its K loop (a 128x256
   tile over K = 8192 runs ~70 us; the poll is well under 1 us). When the compiler fuses the K loop
   into the tile loop (split_k 1, see gemm.py ``_can_flatten``), the next tile's wait runs in the

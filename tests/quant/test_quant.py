@@ -10,7 +10,7 @@ shows up.
 
 CPU lane (no marker; ``TRITON_INTERPRET=1``): fp32/fp16/bf16 x, int8 and float8_e4m3fn, rows of 1 to
 4099 columns (multi-pass past 1024 under the interpreter), 1-D, 3-D, padded, strided and transposed x;
-smooth scales in fp32 and bf16; hand-picked ties and carries; zero and tiny rows; MoE rows k-major with
+smooth scales in fp32 and bf16; hand-picked ties and carries; zero, tiny and NaN rows; MoE rows k-major with
 int32/int64 ids, out-of-range ids (NaN row, the others intact); add_rms_norm_quant equal to the
 rms_norm it names; empty inputs; torch.compile; argument checks.
 
@@ -153,6 +153,22 @@ def test_tiny_rows(quant_dtype, device):
                      device=device)
     q, row_scale = tk.dynamic_quant(x, quant_dtype)
     assert_quant_close("tiny", q, row_scale, x.double(), x.float(), quant_dtype)
+
+
+@pytest.mark.parametrize("N", [64, 1500])
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
+def test_nan_rows(quant_dtype, N, device):
+    """A row holding NaN has row_scale NaN and q 0 (the reference's rule), also when it shares a tile
+    (N 64: every row in one) or the chunked passes (N 1500 under the interpreter) with a tiny row and
+    normal rows, which stay exact."""
+    x = random_tensor((4, N), torch.float32, device)
+    x[1, 5] = math.nan
+    x[2] *= 1e-38
+    q, row_scale = tk.dynamic_quant(x, quant_dtype)
+    assert math.isnan(row_scale[1].item()), f"NaN row: row_scale {row_scale[1].item()}"
+    assert not bool(q[1].float().any()), "NaN row: q not all 0"
+    keep = [0, 2, 3]
+    assert_quant_close("nan-rows", q[keep], row_scale[keep], x[keep].double(), x[keep].float(), quant_dtype)
 
 
 def test_empty_rows(device):

@@ -12,10 +12,9 @@ Every op of ``tk.norm`` and ``tk.quant`` is this kernel with other constexpr swi
 residual add, the statistics, the affine step and the quantisation are written once.
 
 A row that fits one tile (``N <= BLOCK_N``) is read from memory once and kept in registers, one row
-tile per program -- or, for tk.smooth_quant and (at 32768 columns) tk.dynamic_quant, in a persistent
-loop over row tiles that loads the fp32 smooth scales once per program (``PERSISTENT``,
-``PERSISTENT_FORWARD``). A longer
-row is read in ``BLOCK_N`` chunks several times -- statistics (Chan's parallel mean/variance merge),
+tile per program -- or, for some widths of the quantisation ops, in a persistent loop over row tiles
+that loads the fp32 smooth scales once per program (``PERSISTENT``; which widths: ``TUNED_FORWARD``).
+A longer row is read in ``BLOCK_N`` chunks several times -- statistics (Chan's parallel mean/variance merge),
 then (with quantisation) the row's max|z|, then the outputs: one program owns the row, so the later
 passes find it in L2 (a 64k-column bf16 row is 128 KB) and HBM still sees one read. With a residual
 the first pass stores s and the later passes read s back instead of x and the residual.
@@ -36,8 +35,9 @@ computes dx and the block's dw/db sums: registers hold one block of dw/db instea
 (Keeping the own block in registers through the sums instead spilled: 0.14 of copy bandwidth at
 N = 32768 against 0.46.)
 
-int8 rounding is half to even, as ``torch.round``: adding and subtracting 1.5 * 2^23 leaves an fp32
-value with no fractional bits, rounded by the FPU in its default (nearest-even) mode; |z| <= 127 here.
+int8 rounding is half to even, as ``torch.round``: adding 1.5 * 2^23 to |v| <= 127 leaves an fp32
+value with no fractional bits, rounded by the FPU in its default (nearest-even) mode, whose low byte is
+the int8 (``_quantize``).
 """
 
 from __future__ import annotations
@@ -189,34 +189,62 @@ def _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT: tl.constexpr
     row, loaded here), else ``y``."""
     if QUANT == QUANT_SMOOTH:
         if IS_MOE:
-            y = y * tl.load(smooth_ptr + smooth_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            # each expert's row is read again by every row routed to it: keep it in L2 over x's stream
+            y = y * tl.load(smooth_ptr + smooth_row + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
         else:
             y = y * smooth[None, :]
     return y
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_max(z, mask):
+    """max|z| per row of ``[BLOCK_M, BLOCK_N]``, NaN where a row holds NaN (the spec's NaN rows)."""
+    return tl.reduce(tl.where(mask, tl.abs(z), 0.0), 1, _max_nan)
+
+
+@triton.jit
 def _quantize(z, inv_scale, prescale, q_dtype: tl.constexpr, QMAX: tl.constexpr):
     """``z * prescale * inv_scale`` (per row) as ``q_dtype``: int8 rounded half to even, fp8 to nearest
-    even (``_row_scales`` gives the factors)."""
-    v = (z * prescale[:, None]) * inv_scale[:, None]
-    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    even; NaN to 0 (``_row_scales`` gives the factors).
+
+    A tile whose rows all have ``prescale`` 1 (finite, not tiny) takes one multiply per element, and
+    int8 takes no float-to-int conversion: |v| <= 127 (plus rounding) there, so adding 1.5 * 2^23 leaves
+    the nearest-even integer in the low mantissa bits, whose low byte is the int8. The quantising ops run
+    near the SM's instruction issue limit (moe_smooth_quant writes two int8 rows per bf16 row read), and
+    the conversion instruction issues at a quarter of the FP32 rate.
+    """
+    if (tl.min(prescale, axis=0) == 1.0) & (tl.max(prescale, axis=0) == 1.0):
+        v = z * inv_scale[:, None]
+    else:
+        v = (z * prescale[:, None]) * inv_scale[:, None]
+        v = tl.where(v == v, v, 0.0)
     if q_dtype == tl.int8:
-        v = (v + ROUND_HALF_EVEN) - ROUND_HALF_EVEN
-    return cast_for_store(v, q_dtype)
+        q = (v + ROUND_HALF_EVEN).to(tl.int32, bitcast=True).to(tl.int8)
+    else:
+        q = cast_for_store(tl.minimum(tl.maximum(v, -QMAX), QMAX), q_dtype)
+    return q
 
 
 @triton.jit
 def _row_scales(amax, valid, QMAX: tl.constexpr):
     """(row_scale, inv_scale, prescale): ``row_scale = max|z| / QMAX``, and q = z * prescale * inv_scale.
 
-    A row of zeros gets 0 and q 0; an invalid row (MoE expert id out of range) NaN and q 0. For a row
-    whose max|z| is below 2^-100, QMAX / max|z| would overflow fp32 (and 0 * inf give NaN), so z and
-    max|z| are first scaled by 2^100, exactly; every other row has prescale 1.
+    A row of zeros gets 0 and q 0; an invalid row (MoE expert id out of range) NaN and q 0; a row
+    holding NaN (``_abs_max`` gives NaN) NaN and q 0. For a row whose max|z| is below 2^-100, QMAX /
+    max|z| would overflow fp32 (and 0 * inf give NaN), so z and max|z| are first scaled by 2^100,
+    exactly; a row with max|z| NaN or inf gets prescale 0 (its q is 0 or NaN -> 0); every other row
+    has prescale 1.
     """
     scale = tl.where(valid, amax / QMAX, float("nan"))
-    nonzero = valid & (amax > 0.0)
-    prescale = tl.where(amax < 7.888609052210118e-31, 1.2676506002282294e30, 1.0)   # 2^-100, 2^100
+    nonzero = valid & (amax > 0.0) & (amax <= 3.4028234663852886e38)
+    prescale = tl.where(amax < 7.888609052210118e-31, 1.2676506002282294e30,   # 2^-100, 2^100
+                        tl.where(amax <= 3.4028234663852886e38, 1.0, 0.0))
     inv_scale = tl.where(nonzero, QMAX / tl.where(nonzero, amax * prescale, 1.0), 0.0)
     return scale, inv_scale, prescale
 
@@ -262,10 +290,14 @@ def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smoo
         if not PRELOADED:
             smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE)
         z = _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT, IS_MOE)
-        amax = tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1)
+        amax = _abs_max(z, mask)
         scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
         q_dtype = q_ptr.dtype.element_ty
-        tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask)
+        q = _quantize(z, inv_scale, prescale, q_dtype, QMAX)
+        if IS_MOE:   # k rows written per row of x read: stream them past L2, which holds the smooth rows
+            tl.store(q_ptr + out_row + cols[None, :], q, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(q_ptr + out_row + cols[None, :], q, mask=mask)
         tl.store(scale_ptr + rows, scale, mask=mask_m)
     if STORE_STATS:
         tl.store(mean_ptr + rows, mean, mask=mask_m)
@@ -337,7 +369,7 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
                                               x_row, res_row, out_row, smooth_row, mask_m, mean, rstd, N, stride_xn,
                                               stride_rn, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, IS_MOE,
                                               BLOCK_N)
-            amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(z), 0.0), axis=1))
+            amax = _max_nan(amax, _abs_max(z, mask))
         scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
         tl.store(scale_ptr + rows, scale, mask=mask_m)
     # last pass: the outputs
@@ -606,15 +638,23 @@ MAX_FORWARD_BLOCK = {"gpu": 32768, "interpreter": 1024}
 FORWARD_CHUNK = {"gpu": 16384, "interpreter": 1024}
 # Aim for this many columns x rows per forward tile when rows are short (several rows per program).
 MIN_TILE_ELEMENTS = 2048
-# The standalone quantisation ops in a persistent row loop: kind -> {block_n: (programs per SM, prefetch
-# the next row tile)}; other ops and widths keep one program per row tile. smooth_quant loads its fp32
-# scales once per program (with one program per row, every row re-read them from L2: twice the bytes of
-# its bf16 x). H100 sweeps, fractions of copy bandwidth, one program per row -> persistent: smooth 4096
-# 0.88 -> 0.93, 8192 0.76 -> 0.93, 16384 0.87-0.90 -> 0.92, 32768 0.71-0.73 -> 0.79; dynamic 32768
-# 0.90 -> 0.92-0.93 (benchmarks/NOTES.md). The norms measured level or slower that way.
-PERSISTENT_FORWARD = {
-    "smooth": {4096: (4, True), 8192: (4, True), 16384: (4, True), 32768: (2, False)},
-    "dynamic": {32768: (2, True)},
+# The quantisation ops' whole-row forward, tuned per kind and width: kind -> {block_n: (warps or None for
+# ``_warps``' default, programs per SM of a persistent row loop or None for one program per row tile,
+# prefetch the next row tile)}; other ops and widths keep the default. H100 sweeps (2026-11-22, bf16 x,
+# fractions of copy bandwidth, benchmarks/NOTES.md):
+# - smooth_quant loads its fp32 scales once per program in the persistent loop (one program per row
+#   re-read them from L2: twice the bytes of its bf16 x): 4096 0.88 -> 0.93, 8192 0.76 -> 0.93. Since
+#   the int8 conversion left the quantise step (``_quantize``), one program per row with 8 warps wins at
+#   16384 (0.97 against 0.95 persistent) and one persistent program per SM at 32768 (0.90 against 0.88
+#   with two).
+# - dynamic_quant: persistent at 32768 only (0.92-0.93 against 0.90).
+# - moe_smooth_quant writes k rows per row of x, and fewer warps per row keep more rows in flight:
+#   4 warps at 4096 and 8192 (0.77 / 0.74-0.75 against 0.70 / 0.69 with the default 8 / 16), 8 at 16384
+#   (0.69 against 0.62), a persistent program per SM with prefetch at 32768 (0.63 against 0.54).
+TUNED_FORWARD = {
+    "smooth": {4096: (None, 4, True), 8192: (None, 4, True), 16384: (8, None, False), 32768: (32, 1, False)},
+    "dynamic": {32768: (None, 2, True)},
+    "moe": {4096: (4, None, False), 8192: (4, None, False), 16384: (8, None, False), 32768: (32, 1, True)},
 }
 
 # Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and
@@ -647,7 +687,8 @@ def _warps(elements: int) -> int:
 
 
 def forward_config(N: int, device, kind: str | None = None) -> RowConfig:
-    """``kind``: "smooth" or "dynamic" for tk.smooth_quant / tk.dynamic_quant (``PERSISTENT_FORWARD``)."""
+    """``kind``: "smooth", "dynamic" or "moe" for tk.smooth_quant / tk.dynamic_quant /
+    tk.moe_smooth_quant (``TUNED_FORWARD``)."""
     if "forward" in config_override:
         return config_override["forward"]
     lane = _lane(device)
@@ -655,10 +696,12 @@ def forward_config(N: int, device, kind: str | None = None) -> RowConfig:
         block_n = triton.next_power_of_2(N)
         block_m = max(1, min(64, MIN_TILE_ELEMENTS // block_n))
         config = RowConfig(block_m, block_n, _warps(block_m * block_n))
-        persistent = PERSISTENT_FORWARD.get(kind, {}).get(block_n) if lane == "gpu" else None
-        if persistent is not None:
-            programs, prefetch = persistent
-            config = dataclasses.replace(config, programs_per_sm=programs, prefetch=prefetch, persistent=True)
+        tuned = TUNED_FORWARD.get(kind, {}).get(block_n) if lane == "gpu" else None
+        if tuned is not None:
+            warps, programs, prefetch = tuned
+            config = dataclasses.replace(config, num_warps=warps or config.num_warps)
+            if programs is not None:
+                config = dataclasses.replace(config, programs_per_sm=programs, prefetch=prefetch, persistent=True)
         return config
     block_n = FORWARD_CHUNK[lane]
     return RowConfig(1, block_n, min(16, _warps(block_n)), programs_per_sm=2)

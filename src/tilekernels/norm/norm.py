@@ -135,8 +135,9 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
            quant_dtype, store_y, store_stats, kern.config_override.get("forward"))
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
-        standalone = norm == "none" and residual is None and x_bias is None and topk_ids is None
-        config = kern.forward_config(N, device, quant if standalone else None)
+        standalone = norm == "none" and residual is None and x_bias is None
+        kind = ("moe" if topk_ids is not None else quant) if standalone else None
+        config = kern.forward_config(N, device, kind)
         constexprs = dict(
             NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_B=bias is not None, HAS_XBIAS=x_bias is not None,
             HAS_RESIDUAL=residual is not None, QUANT=kern.QUANTS[None if quant == "none" else quant],

@@ -241,11 +241,14 @@ def _row_scales(amax, valid, QMAX: tl.constexpr):
     exactly; a row with max|z| NaN or inf gets prescale 0 (its q is 0 or NaN -> 0); every other row
     has prescale 1.
     """
-    scale = tl.where(valid, amax / QMAX, float("nan"))
+    qmax = tl.full(amax.shape, QMAX, tl.float32)
+    # correctly rounded divisions (one per row): triton's `/` is approximate on the GPU (2 ulp), which
+    # tipped near-ties of q away from the exact quantisation there
+    scale = tl.where(valid, tl.math.div_rn(amax, qmax), float("nan"))
     nonzero = valid & (amax > 0.0) & (amax <= 3.4028234663852886e38)
     prescale = tl.where(amax < 7.888609052210118e-31, 1.2676506002282294e30,   # 2^-100, 2^100
                         tl.where(amax <= 3.4028234663852886e38, 1.0, 0.0))
-    inv_scale = tl.where(nonzero, QMAX / tl.where(nonzero, amax * prescale, 1.0), 0.0)
+    inv_scale = tl.where(nonzero, tl.math.div_rn(qmax, tl.where(nonzero, amax * prescale, 1.0)), 0.0)
     return scale, inv_scale, prescale
 
 

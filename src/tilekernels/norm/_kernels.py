@@ -296,11 +296,9 @@ def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smoo
         amax = _abs_max(z, mask)
         scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
         q_dtype = q_ptr.dtype.element_ty
-        q = _quantize(z, inv_scale, prescale, q_dtype, QMAX)
-        if IS_MOE:   # k rows written per row of x read: stream them past L2, which holds the smooth rows
-            tl.store(q_ptr + out_row + cols[None, :], q, mask=mask, cache_modifier=".cs")
-        else:
-            tl.store(q_ptr + out_row + cols[None, :], q, mask=mask)
+        # MoE: k rows written per row of x read; stream them past L2, which holds the smooth rows
+        tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask,
+                 cache_modifier=".cs" if IS_MOE else "")
         tl.store(scale_ptr + rows, scale, mask=mask_m)
     if STORE_STATS:
         tl.store(mean_ptr + rows, mean, mask=mask_m)

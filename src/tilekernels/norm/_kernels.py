@@ -77,9 +77,18 @@ def _vector(ptr, cols, mask_n, PRESENT: tl.constexpr):
 
 
 @triton.jit
-def _smooth_vector(smooth_ptr, cols, mask_n, QUANT: tl.constexpr, IS_MOE: tl.constexpr):
+def _column_mask(cols, N, EVEN_N: tl.constexpr):
+    """``cols < N``, or a constant true mask when N fills the block: the compiler then drops the
+    per-element selects and predicates (the quantising ops run near the SM's issue limit)."""
+    if EVEN_N:
+        return tl.full(cols.shape, 1, tl.int1)
+    return cols < N
+
+
+@triton.jit
+def _smooth_vector(smooth_ptr, cols, mask_n, QUANT: tl.constexpr, TOPK: tl.constexpr):
     """The smooth-scale row of a non-MoE smooth quantisation (MoE rows load their expert's row each)."""
-    if QUANT == QUANT_SMOOTH and not IS_MOE:
+    if QUANT == QUANT_SMOOTH and TOPK == 0:
         v = _vector(smooth_ptr, cols, mask_n, True)
     else:
         v = cols.to(tl.float32) * 0.0
@@ -88,16 +97,15 @@ def _smooth_vector(smooth_ptr, cols, mask_n, QUANT: tl.constexpr, IS_MOE: tl.con
 
 @triton.jit
 def _forward_rows(tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j,
-                  IS_MOE: tl.constexpr, BLOCK_M: tl.constexpr):
+                  TOPK: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows of tile ``tile``: (output rows, in range, valid, smooth-scale row offsets, x / residual /
     output row offsets). MoE: tiles walk the rows token by token (token t's k rows j * T + t one after
     another), so a token's row of x is read from HBM once and from L2 for its other k - 1 experts."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < M
-    if IS_MOE:
-        topk = M // T
-        token = rows // topk
-        choice = rows % topk
+    if TOPK > 0:
+        token = rows // TOPK
+        choice = rows % TOPK
         rows = choice * T + token
         expert = tl.load(topk_ptr + token.to(tl.int64) * stride_tk_t + choice * stride_tk_j, mask=mask_m,
                          other=0).to(tl.int64)
@@ -126,11 +134,11 @@ def _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask, stride_xn, stride_rn
 
 @triton.jit
 def _tile_input(tile, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm, stride_xn, stride_rm,
-                stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL: tl.constexpr, IS_MOE: tl.constexpr,
+                stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL: tl.constexpr, TOPK: tl.constexpr,
                 BLOCK_M: tl.constexpr):
     """x and the residual of whole-row tile ``tile`` (``_load_input``; nothing past M)."""
     rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
-        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, IS_MOE,
+        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, TOPK,
         BLOCK_M)
     return _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :], stride_xn,
                        stride_rn, HAS_RESIDUAL)
@@ -184,11 +192,11 @@ def _affine(v, mean, rstd, w, b, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B:
 
 
 @triton.jit
-def _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT: tl.constexpr, IS_MOE: tl.constexpr):
+def _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT: tl.constexpr, TOPK: tl.constexpr):
     """``y * smooth_scale`` for smooth quantisation (``smooth``, loaded once; MoE: each row's expert's
     row, loaded here), else ``y``."""
     if QUANT == QUANT_SMOOTH:
-        if IS_MOE:
+        if TOPK > 0:
             # each expert's row is read again by every row routed to it: keep it in L2 over x's stream
             y = y * tl.load(smooth_ptr + smooth_row + cols[None, :], mask=mask, other=0.0,
                             eviction_policy="evict_last").to(tl.float32)
@@ -257,18 +265,18 @@ def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smoo
                    scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_rm, stride_sm,
                    stride_tk_t, stride_tk_j, eps, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                    HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
-                   IS_MOE: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
-                   PRELOADED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   TOPK: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
+                   PRELOADED: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Row tile ``tile`` of whole rows, its x and residual already loaded (``_load_input``). The
     weight, bias, x_bias and smooth-scale vectors come preloaded (``PRELOADED``, the persistent loop) or
     are loaded here where they are first used: held from the start, weight and bias cost one row's
     worth of registers during the statistics (layer_norm at 16384 columns fell from ~0.95 to 0.75 of
     copy bandwidth)."""
     rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
-        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, IS_MOE,
+        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, TOPK,
         BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask_n = cols < N
+    mask_n = _column_mask(cols, N, EVEN_N)
     mask = mask_m[:, None] & mask_n[None, :]
     if not PRELOADED:
         xb = _vector(xbias_ptr, cols, mask_n, HAS_XBIAS)
@@ -291,14 +299,15 @@ def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smoo
         tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
     if QUANT != QUANT_NONE:
         if not PRELOADED:
-            smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE)
-        z = _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT, IS_MOE)
-        amax = _abs_max(z, mask)
+            smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, TOPK)
+        z = _smoothed(y, smooth, smooth_ptr, smooth_row, cols, mask, QUANT, TOPK)
+        # columns only: a row past M or with an invalid expert is not stored / gets NaN anyway
+        amax = _abs_max(z, mask_n[None, :])
         scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
         q_dtype = q_ptr.dtype.element_ty
         # MoE: k rows written per row of x read; stream them past L2, which holds the smooth rows
         tl.store(q_ptr + out_row + cols[None, :], _quantize(z, inv_scale, prescale, q_dtype, QMAX), mask=mask,
-                 cache_modifier=".cs" if IS_MOE else "")
+                 cache_modifier=".cs" if TOPK > 0 else "")
         tl.store(scale_ptr + rows, scale, mask=mask_m)
     if STORE_STATS:
         tl.store(mean_ptr + rows, mean, mask=mask_m)
@@ -309,7 +318,7 @@ def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smoo
 def _chunk_outputs(start, x_ptr, res_ptr, sum_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, x_row, res_row, out_row,
                    smooth_row, mask_m, mean, rstd, N, stride_xn, stride_rn, NORM: tl.constexpr, HAS_W: tl.constexpr,
                    HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
-                   IS_MOE: tl.constexpr, BLOCK_N: tl.constexpr):
+                   TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
     """(cols, mask, y, z) of the chunk at ``start`` in the passes after the statistics (s read back when
     there is a residual); z is y when nothing smooths it."""
     cols = start + tl.arange(0, BLOCK_N)
@@ -319,8 +328,8 @@ def _chunk_outputs(start, x_ptr, res_ptr, sum_ptr, xbias_ptr, w_ptr, b_ptr, smoo
                       stride_rn, HAS_XBIAS, HAS_RESIDUAL, HAS_RESIDUAL, False)
     y = _affine(v, mean, rstd, _vector(w_ptr, cols, mask_n, HAS_W), _vector(b_ptr, cols, mask_n, HAS_B), NORM,
                 HAS_W, HAS_B)
-    z = _smoothed(y, _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE), smooth_ptr, smooth_row, cols, mask,
-                  QUANT, IS_MOE)
+    z = _smoothed(y, _smooth_vector(smooth_ptr, cols, mask_n, QUANT, TOPK), smooth_ptr, smooth_row, cols, mask,
+                  QUANT, TOPK)
     return cols, mask, y, z
 
 
@@ -329,11 +338,11 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
                   sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn,
                   stride_sm, stride_tk_t, stride_tk_j, eps, NORM: tl.constexpr, HAS_W: tl.constexpr,
                   HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
-                  QMAX: tl.constexpr, IS_MOE: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
+                  QMAX: tl.constexpr, TOPK: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Row tile ``tile`` of rows longer than a tile, in ``BLOCK_N`` chunks and several passes."""
     rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
-        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, IS_MOE,
+        tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, TOPK,
         BLOCK_M)
     # pass 1: statistics (and s), chunk by chunk; Chan's merge keeps the variance exact-ish in fp32
     mean = tl.zeros([BLOCK_M], tl.float32)
@@ -368,7 +377,7 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
         for start in range(0, N, BLOCK_N):
             cols, mask, y, z = _chunk_outputs(start, x_ptr, res_ptr, sum_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr,
                                               x_row, res_row, out_row, smooth_row, mask_m, mean, rstd, N, stride_xn,
-                                              stride_rn, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, IS_MOE,
+                                              stride_rn, NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, TOPK,
                                               BLOCK_N)
             amax = _max_nan(amax, _abs_max(z, mask))
         scale, inv_scale, prescale = _row_scales(amax, valid, QMAX)
@@ -377,7 +386,7 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
     for start in range(0, N, BLOCK_N):
         cols, mask, y, z = _chunk_outputs(start, x_ptr, res_ptr, sum_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, x_row,
                                           res_row, out_row, smooth_row, mask_m, mean, rstd, N, stride_xn, stride_rn,
-                                          NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, IS_MOE, BLOCK_N)
+                                          NORM, HAS_W, HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, TOPK, BLOCK_N)
         if STORE_Y:
             tl.store(y_ptr + out_row + cols[None, :], cast_for_store(y, y_ptr.dtype.element_ty), mask=mask)
         if QUANT != QUANT_NONE:
@@ -393,14 +402,16 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
                  M, N, T, num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
                  stride_tk_t, stride_tk_j, eps,
                  NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, IS_MOE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, TOPK: tl.constexpr,
                  STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr, ONE_PASS: tl.constexpr,
-                 PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 PERSISTENT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     """y / q + row_scale / s / mean + rstd of row tiles (see the module docstring).
 
     x ``[M, N]`` (MoE: ``[T, N]``, row r reads token ``r % T``) with any strides; y, q, s contiguous
     ``[M, N]``; row_scale, mean, rstd ``[M]`` fp32. MoE: expert ``topk[r % T, r // T]`` picks the
-    smooth-scale row.
+    smooth-scale row. ``TOPK``: k of a MoE quantisation (rows per token of x), 0 for every other op;
+    ``EVEN_N``: N is a multiple of ``BLOCK_N``, so whole-row tiles need no column masks.
 
     Whole rows (``ONE_PASS``): one tile per program, or with ``PERSISTENT`` a loop over tiles that
     loads weight, bias, x_bias and smooth_scale once per program instead of once per tile (an fp32
@@ -411,47 +422,49 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
     pid = tl.program_id(0)
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)
-        mask_n = cols < N
+        mask_n = _column_mask(cols, N, EVEN_N)
         if not PERSISTENT:
             x, res = _tile_input(pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm,
                                  stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL,
-                                 IS_MOE, BLOCK_M)
+                                 TOPK, BLOCK_M)
             unused = mask_n.to(tl.float32)   # the vectors are loaded where they are used
             _one_pass_tile(pid, x, res, unused, unused, unused, unused, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr,
                            y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
                            stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS,
-                           HAS_RESIDUAL, QUANT, QMAX, IS_MOE, STORE_Y, STORE_STATS, False, BLOCK_M, BLOCK_N)
+                           HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, False, EVEN_N, BLOCK_M,
+                           BLOCK_N)
         else:
             w = _vector(w_ptr, cols, mask_n, HAS_W)
             b = _vector(b_ptr, cols, mask_n, HAS_B)
             xb = _vector(xbias_ptr, cols, mask_n, HAS_XBIAS)
-            smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, IS_MOE)
+            smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, TOPK)
             step = tl.num_programs(0)
             if PREFETCH:
                 x_next, res_next = _tile_input(pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts,
                                                stride_xm, stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t,
-                                               stride_tk_j, HAS_RESIDUAL, IS_MOE, BLOCK_M)
+                                               stride_tk_j, HAS_RESIDUAL, TOPK, BLOCK_M)
             for tile in range(pid, tl.cdiv(M, BLOCK_M), step):
                 if PREFETCH:
                     x = x_next
                     res = res_next
                     x_next, res_next = _tile_input(tile + step, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T,
                                                    num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
-                                                   stride_tk_t, stride_tk_j, HAS_RESIDUAL, IS_MOE, BLOCK_M)
+                                                   stride_tk_t, stride_tk_j, HAS_RESIDUAL, TOPK, BLOCK_M)
                 else:
                     x, res = _tile_input(tile, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm,
                                          stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j,
-                                         HAS_RESIDUAL, IS_MOE, BLOCK_M)
+                                         HAS_RESIDUAL, TOPK, BLOCK_M)
                 _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr, y_ptr,
                                q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
                                stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS,
-                               HAS_RESIDUAL, QUANT, QMAX, IS_MOE, STORE_Y, STORE_STATS, True, BLOCK_M, BLOCK_N)
+                               HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, True, EVEN_N,
+                               BLOCK_M, BLOCK_N)
     else:
         for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
             _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr,
                           scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_xn,
                           stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B,
-                          HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX, IS_MOE, STORE_Y, STORE_STATS, BLOCK_M, BLOCK_N)
+                          HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, BLOCK_M, BLOCK_N)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -644,18 +657,20 @@ MIN_TILE_ELEMENTS = 2048
 # prefetch the next row tile)}; other ops and widths keep the default. H100 sweeps (2026-11-22, bf16 x,
 # fractions of copy bandwidth, benchmarks/NOTES.md):
 # - smooth_quant loads its fp32 scales once per program in the persistent loop (one program per row
-#   re-read them from L2: twice the bytes of its bf16 x): 4096 0.88 -> 0.93, 8192 0.76 -> 0.93. Since
-#   the int8 conversion left the quantise step (``_quantize``), one program per row with 8 warps wins at
-#   16384 (0.97 against 0.95 persistent) and one persistent program per SM at 32768 (0.90 against 0.88
-#   with two).
+#   re-read them from L2: twice the bytes of its bf16 x): 4096 0.88 -> 0.93, 8192 0.76 -> 0.93. At 16384
+#   one program per row with 16 warps (1.01 under CUDA graphs; 8 warps need 134 registers per thread
+#   since the column masks went (``EVEN_N``), one block per SM: 0.71), and one persistent program per
+#   SM with 16 warps at 32768 (0.91-0.92 against 0.89 with 32).
 # - dynamic_quant: persistent at 32768 only (0.92-0.93 against 0.90).
-# - moe_smooth_quant writes k rows per row of x, and fewer warps per row keep more rows in flight:
-#   4 warps at 4096 and 8192 (0.77 / 0.74-0.75 against 0.70 / 0.69 with the default 8 / 16), 8 at 16384
-#   (0.69 against 0.62), a persistent program per SM with prefetch at 32768 (0.63 against 0.54).
+# - moe_smooth_quant writes k rows per row of x, and fewer warps per row keep more rows in flight, each
+#   with less per-row overhead: 2 warps at 4096 and 8192 (0.82 against 0.81 / 0.80 with 4, 0.71 / 0.73
+#   with 8), 16 warps in two persistent programs per SM at 16384 (0.68-0.72 against 0.67 with 8), a
+#   persistent program per SM with prefetch at 32768 (0.69). Every row re-reads its expert's fp32
+#   smooth row (twice the bytes of x) from L2; whether L2 bandwidth is the limit there is not shown yet.
 TUNED_FORWARD = {
-    "smooth": {4096: (None, 4, True), 8192: (None, 4, True), 16384: (8, None, False), 32768: (32, 1, False)},
+    "smooth": {4096: (None, 4, True), 8192: (None, 4, True), 16384: (16, None, False), 32768: (16, 1, False)},
     "dynamic": {32768: (None, 2, True)},
-    "moe": {4096: (4, None, False), 8192: (4, None, False), 16384: (8, None, False), 32768: (32, 1, True)},
+    "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (32, 1, True)},
 }
 
 # Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and

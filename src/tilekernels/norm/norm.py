@@ -141,9 +141,10 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         constexprs = dict(
             NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_B=bias is not None, HAS_XBIAS=x_bias is not None,
             HAS_RESIDUAL=residual is not None, QUANT=kern.QUANTS[None if quant == "none" else quant],
-            QMAX=QUANT_MAX.get(quant_dtype, 1.0), IS_MOE=topk_ids is not None, STORE_Y=store_y,
-            STORE_STATS=store_stats, ONE_PASS=N <= config.block_n, PERSISTENT=config.persistent,
-            PREFETCH=config.persistent and config.prefetch, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+            QMAX=QUANT_MAX.get(quant_dtype, 1.0), TOPK=topk_ids.shape[1] if topk_ids is not None else 0,
+            STORE_Y=store_y, STORE_STATS=store_stats, ONE_PASS=N <= config.block_n, PERSISTENT=config.persistent,
+            PREFETCH=config.persistent and config.prefetch,
+            EVEN_N=N % config.block_n == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n)
         plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(kern._row_forward, kern.forward_grid(M, N, config, device),
                                                            constexprs, num_warps=config.num_warps))
     moe = topk_ids is not None

@@ -176,6 +176,24 @@ def _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, c
 
 
 @triton.jit
+def _div(a, b, EXACT: tl.constexpr):
+    """``a / b`` per row: correctly rounded when ``EXACT`` (fp32 inputs), else triton's approximate
+    division (2 ulp on the GPU), which is far below the rounding of a bf16 or fp16 output."""
+    if EXACT:
+        return tl.math.div_rn(a, a * 0.0 + b)
+    return a / b
+
+
+@triton.jit
+def _inv_sqrt(v, EXACT: tl.constexpr):
+    """``1 / sqrt(v)`` per row: correctly rounded square root and division when ``EXACT`` (fp32
+    inputs), else the hardware's approximate rsqrt."""
+    if EXACT:
+        return tl.math.div_rn(v * 0.0 + 1.0, tl.math.sqrt_rn(v))
+    return tl.rsqrt(v)
+
+
+@triton.jit
 def _affine(v, mean, rstd, w, b, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     """``(v - mean) * rstd * w + b`` (layer), ``v * rstd * w`` (rms) or ``v`` (none), in fp32."""
     if NORM == NORM_LAYER:
@@ -281,13 +299,22 @@ def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smoo
     if not PRELOADED:
         xb = _vector(xbias_ptr, cols, mask_n, HAS_XBIAS)
     v = _row_values(x, res, xb, sum_ptr, out_row, cols, mask, HAS_XBIAS, HAS_RESIDUAL, True)
+    # fp32 layer norm: correctly rounded statistics, and the mean corrected once by the mean of the
+    # deviations from it. y = (v - mean) * rstd magnifies the mean's error when a row sits far from 0
+    # (offset 30: 2.7-3.2x PyTorch's error on the H100 with the approximate division and rsqrt). The bf16
+    # / fp16 kernels keep the cheaper operations (identical PTX), invisible after their output rounding;
+    # rms_norm has no mean, and its fp32 forward is within the rule with them.
+    EXACT: tl.constexpr = (x.dtype == tl.float32) and (NORM == NORM_LAYER)
     if NORM == NORM_LAYER:
-        mean = tl.sum(v, axis=1) / N
+        mean = _div(tl.sum(v, axis=1), N, EXACT)
         centred = tl.where(mask, v - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+        if EXACT:
+            mean += _div(tl.sum(centred, axis=1), N, EXACT)
+            centred = tl.where(mask, v - mean[:, None], 0.0)
+        rstd = _inv_sqrt(_div(tl.sum(centred * centred, axis=1), N, EXACT) + eps, EXACT)
     elif NORM == NORM_RMS:
         mean = tl.zeros([BLOCK_M], tl.float32)
-        rstd = tl.rsqrt(tl.sum(v * v, axis=1) / N + eps)
+        rstd = _inv_sqrt(_div(tl.sum(v * v, axis=1), N, EXACT) + eps, EXACT)
     else:
         mean = tl.zeros([BLOCK_M], tl.float32)
         rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
@@ -345,6 +372,8 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
         tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, TOPK,
         BLOCK_M)
     # pass 1: statistics (and s), chunk by chunk; Chan's merge keeps the variance exact-ish in fp32
+    # fp32 layer norm: correctly rounded divisions and square root (see _one_pass_tile)
+    EXACT: tl.constexpr = (x_ptr.dtype.element_ty == tl.float32) and (NORM == NORM_LAYER)
     mean = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M], tl.float32)   # layer: sum of squared deviations; rms: sum of squares
     if NORM != NORM_NONE or HAS_RESIDUAL:
@@ -356,12 +385,12 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
                               stride_xn, stride_rn, HAS_XBIAS, HAS_RESIDUAL, False, True)
             if NORM == NORM_LAYER:
                 count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-                chunk_mean = tl.sum(v, axis=1) / count
+                chunk_mean = _div(tl.sum(v, axis=1), count, EXACT)
                 centred = tl.where(mask, v - chunk_mean[:, None], 0.0)
                 total = start + count
                 delta = chunk_mean - mean
-                mean += delta * (count / total)
-                acc += tl.sum(centred * centred, axis=1) + delta * delta * (start * count / total)
+                mean += delta * _div(count, total, EXACT)
+                acc += tl.sum(centred * centred, axis=1) + delta * delta * _div(start * count, total, EXACT)
             elif NORM == NORM_RMS:
                 acc += tl.sum(v * v, axis=1)
         if HAS_RESIDUAL:
@@ -369,7 +398,7 @@ def _chunked_tile(tile, x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, top
     if NORM == NORM_NONE:
         rstd = tl.zeros([BLOCK_M], tl.float32) + 1.0
     else:
-        rstd = tl.rsqrt(acc / N + eps)
+        rstd = _inv_sqrt(_div(acc, N, EXACT) + eps, EXACT)
     if QUANT != QUANT_NONE:
         q_dtype = q_ptr.dtype.element_ty
         # pass 2: the row's max|z|

@@ -177,7 +177,7 @@ def _chunk_values(x_ptr, res_ptr, sum_ptr, xbias_ptr, x_row, res_row, out_row, c
 
 @triton.jit
 def _div(a, b, EXACT: tl.constexpr):
-    """``a / b`` per row: correctly rounded when ``EXACT`` (fp32 inputs), else triton's approximate
+    """``a / b`` per row: correctly rounded when ``EXACT`` (fp32 layer norm), else triton's approximate
     division (2 ulp on the GPU), which is far below the rounding of a bf16 or fp16 output."""
     if EXACT:
         return tl.math.div_rn(a, a * 0.0 + b)
@@ -186,8 +186,8 @@ def _div(a, b, EXACT: tl.constexpr):
 
 @triton.jit
 def _inv_sqrt(v, EXACT: tl.constexpr):
-    """``1 / sqrt(v)`` per row: correctly rounded square root and division when ``EXACT`` (fp32
-    inputs), else the hardware's approximate rsqrt."""
+    """``1 / sqrt(v)`` per row: correctly rounded square root and division when ``EXACT`` (fp32 layer
+    norm), else the hardware's approximate rsqrt."""
     if EXACT:
         return tl.math.div_rn(v * 0.0 + 1.0, tl.math.sqrt_rn(v))
     return tl.rsqrt(v)

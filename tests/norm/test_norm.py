@@ -324,6 +324,24 @@ def test_forward_options(case, device, poison_allocations):
     check_forward(case.name, case, inputs, call(case, inputs))
 
 
+@pytest.mark.parametrize("N", [64, 3000], ids=["one-pass", "chunked"])
+def test_layer_norm_fp32_variance_overflow(N, device):
+    """A finite fp32 row whose squared deviations overflow fp32: y stays finite (rstd 0, as PyTorch's
+    fp32 layer_norm gives), and the other rows are untouched. The fp32 statistics divide exactly; an
+    inf there must not turn into NaN."""
+    x = random_tensor((3, N), torch.float32, device)
+    x[1] = 0.0
+    x[1, 0], x[1, 1] = 3e19, -3e19
+    weight = torch.ones(N, device=device)
+    bias = torch.zeros(N, device=device)
+    y = tk.layer_norm(x, weight, bias)
+    assert bool(torch.isfinite(y).all()), "NaN or inf in y of a finite row"
+    expect = torch.nn.functional.layer_norm(x, (N,), weight, bias)
+    assert torch.equal(y[1], expect[1]), f"overflowing row: {y[1, :4].tolist()} against {expect[1, :4].tolist()}"
+    ref = torch.nn.functional.layer_norm(x[[0, 2]].double(), (N,), weight.double(), bias.double())
+    assert (y[[0, 2]].double() - ref).abs().max().item() < 1e-5
+
+
 def test_forward_empty_rows(device, poison_allocations):
     """M == 0 rows: empty outputs of the right shapes, quantised ones too."""
     for op in OPS:

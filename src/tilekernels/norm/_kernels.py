@@ -180,7 +180,7 @@ def _div(a, b, EXACT: tl.constexpr):
     """``a / b`` per row: correctly rounded when ``EXACT`` (fp32 layer norm), else triton's approximate
     division (2 ulp on the GPU), which is far below the rounding of a bf16 or fp16 output."""
     if EXACT:
-        return tl.math.div_rn(a, a * 0.0 + b)
+        return tl.math.div_rn(a, tl.zeros_like(a) + b)   # not a * 0 + b: an inf a would make that NaN
     return a / b
 
 
@@ -189,7 +189,7 @@ def _inv_sqrt(v, EXACT: tl.constexpr):
     """``1 / sqrt(v)`` per row: correctly rounded square root and division when ``EXACT`` (fp32 layer
     norm), else the hardware's approximate rsqrt."""
     if EXACT:
-        return tl.math.div_rn(v * 0.0 + 1.0, tl.math.sqrt_rn(v))
+        return tl.math.div_rn(tl.zeros_like(v) + 1.0, tl.math.sqrt_rn(v))   # v = inf (overflow) -> 0, as rsqrt
     return tl.rsqrt(v)
 
 

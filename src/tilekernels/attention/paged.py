@@ -429,7 +429,7 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_
               out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float, logits_soft_cap: float,
               window_left: int, k_scale_value: float, v_scale_value: float, num_splits: int) -> None:
     """The call behind both functions, which have checked q, the options and ``out``; the caches, page
-    table and scales are checked here, where their geometry is worked out (once per call). ``qo_indptr``
+    table and scales are checked in ``_run``, once per call signature (``_PLANS``). ``qo_indptr``
     None means decode (one query per sequence); ``num_splits`` 0 is automatic; host-float scales arrive
     as ``*_scale_value`` with the tensor None."""
     _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,

@@ -425,6 +425,7 @@ PREFILL_CASES = [
     case(SQ, SK, page_size=3, heads_kv=1, head_dim=64, dtype=torch.bfloat16, causal=True),       # MQA
     case(SQ, SK, page_size=16, heads_kv=4, table="2d", causal=False),                          # MHA
     case((9, 4, 1), (3, 6, 1), page_size=3, causal=True),                # qo_len > kv_len: rows see no key
+    case((40, 5), (20, 37), page_size=3, causal=True),          # ... with blocks of whole keys before them
     # head dims that are not powers of two
     case(SQ, SK, page_size=16, head_dim=40, causal=True),
     case(SQ, SK, page_size=3, head_dim=80, table="2d", dtype=torch.bfloat16, causal=False),

@@ -388,22 +388,28 @@ class PagedConfig:
 
 # Hopper, keyed by padded head dim; chosen by sweeps on an H100 (bf16, D 128, 4 x 4096 queries and keys,
 # H 32 / H_kv 8, 2026-11-22, benchmarks/NOTES.md). Prefill through TMA (linear layout, pages a multiple
-# of 64 keys; page 1024): 128x64/4 warps/2 stages 484 TFLOP/s (64x64/4/3 467, 128x128/8/3 476). Gathered
-# rows (any other page size): 128x128/8/3 429-452 (128x128/8/2 413-440, 64x64/4/3 341-380): long key
-# blocks amortise the per-row address work. D 64 and D 256 are untuned starting points.
+# of 64 keys; page 1024): 128x64/4 warps/2 stages 484 TFLOP/s (64x64/4/3 467, 128x128/8/3 476; later,
+# ours / contiguous at H 16 / 16 and 32 / 8: 0.98-0.99 full, 0.95-0.97 causal, against 0.89-0.94 and
+# 0.80-0.87 for 128x64/8/3 and 256x64/16/3). Gathered rows (any other page size): 128x128/8/3 429-452
+# (128x128/8/2 413-440, 64x64/4/3 341-380): long key blocks amortise the per-row address work; at D 128
+# 256-row tiles of 16 warps amortise it over more queries (page 16, full masks, ours / contiguous:
+# 0.951 / 0.942 and 0.973 / 0.956 in two runs against 0.924 / 0.950 and 0.929 / 0.947 for 128x128/8/3;
+# page 1 0.881 / 0.928 against 0.862 / 0.916). D 64 and D 256 are untuned starting points.
 PREFILL_TMA_CONFIGS = {
     16: PagedConfig(128, 64, 4, 2), 32: PagedConfig(128, 64, 4, 2), 64: PagedConfig(128, 64, 4, 2),
     128: PagedConfig(128, 64, 4, 2), 256: PagedConfig(64, 64, 4, 2),
 }
 PREFILL_GATHER_CONFIGS = {
     16: PagedConfig(128, 128, 8, 3), 32: PagedConfig(128, 128, 8, 3), 64: PagedConfig(128, 128, 8, 3),
-    128: PagedConfig(128, 128, 8, 3), 256: PagedConfig(64, 64, 4, 2),
+    128: PagedConfig(256, 64, 16, 3), 256: PagedConfig(64, 64, 4, 2),
 }
 # Causal masks, gathered rows (H100, page 16, 4 x 4096 queries and keys, D 128, 3 interleaved rounds,
 # ours / contiguous flash_attn_varlen_func in the same run, 2026-11-22): 128x64/8/3 0.901 (H 16 / H_kv
-# 16) and 0.908 (32 / 8) against 0.876 and 0.892 for 128x128/8/3, which stays ahead for full masks
-# (0.942 / 0.960 against 0.899 / 0.907). 128x64/8/4 0.892 / 0.861, 128x32/8/4 0.74-0.76, 64x128/4/3
-# 0.61, 128x64/4/3 0.38-0.41. Other head dims: the full-mask table.
+# 16) and 0.908 (32 / 8) against 0.876 and 0.892 for 128x128/8/3, then the full-mask config, which stays
+# ahead there (0.942 / 0.960 against 0.899 / 0.907). 128x64/8/4 0.892 / 0.861, 128x32/8/4 0.74-0.76, 64x128/4/3
+# 0.61, 128x64/4/3 0.38-0.41; later runs: 256x64/16/3 0.874-0.882 / 0.914-0.915, 256x64/16/4 0.862 /
+# 0.902, 256x32/16/3 0.815 / 0.855, 128x64/8/2 with 128 registers (two blocks per SM) 0.847 / 0.879.
+# Other head dims: the full-mask table.
 PREFILL_GATHER_CAUSAL_CONFIGS = {128: PagedConfig(128, 64, 8, 3)}
 # decode: BLOCK_M is raised to fit the packed heads; bandwidth-bound (1.04-1.06x the copy-bandwidth
 # floor at D 128 with these, page sizes 1, 16 and 64)

@@ -639,7 +639,7 @@ def test_torch_compile_fullgraph(device):
 
 def test_causal_prefill_takes_its_own_gather_config(monkeypatch):
     """Gathered rows under a causal mask at D 128 take ``PREFILL_GATHER_CAUSAL_CONFIGS``; full masks, TMA
-    pages, decode and other head dims keep their tables."""
+    pages, decode and other head dims keep their tables; short sequences keep 128-row tiles."""
     monkeypatch.setattr(_paged_kernels, "is_interpreter", lambda: False)
     pick = _paged_kernels.paged_config
     assert pick(128, False, False, 2, causal=True) == _paged_kernels.PREFILL_GATHER_CAUSAL_CONFIGS[128]
@@ -647,6 +647,10 @@ def test_causal_prefill_takes_its_own_gather_config(monkeypatch):
     assert pick(128, False, True, 2, causal=True) == _paged_kernels.PREFILL_TMA_CONFIGS[128]
     assert pick(128, True, False, 2, causal=True) == _paged_kernels.DECODE_CONFIGS[128]
     assert pick(64, False, False, 2, causal=True) == _paged_kernels.PREFILL_GATHER_CONFIGS[64]
+    # full masks at D 128 take 256-row tiles only where the sequences average 256 queries or more
+    assert pick(128, False, False, 2, mean_queries=4096).block_m == 256
+    assert pick(128, False, False, 2, mean_queries=100.5) == _paged_kernels.SHORT_PREFILL_GATHER_CONFIG
+    assert pick(64, False, False, 2, mean_queries=10) == _paged_kernels.PREFILL_GATHER_CONFIGS[64]
 
 
 def _must_not_dispatch(*args, **kwargs):

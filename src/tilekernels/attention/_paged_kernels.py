@@ -403,6 +403,8 @@ PREFILL_GATHER_CONFIGS = {
     16: PagedConfig(128, 128, 8, 3), 32: PagedConfig(128, 128, 8, 3), 64: PagedConfig(128, 128, 8, 3),
     128: PagedConfig(256, 64, 16, 3), 256: PagedConfig(64, 64, 4, 2),
 }
+# sequences of fewer queries than a 256-row tile (on average): the 128-row tile measured before it
+SHORT_PREFILL_GATHER_CONFIG = PagedConfig(128, 128, 8, 3)
 # Causal masks, gathered rows (H100, page 16, 4 x 4096 queries and keys, D 128, 3 interleaved rounds,
 # ours / contiguous flash_attn_varlen_func in the same run, 2026-11-22): 128x64/8/3 0.901 (H 16 / H_kv
 # 16) and 0.908 (32 / 8) against 0.876 and 0.892 for 128x128/8/3, then the full-mask config, which stays
@@ -433,9 +435,11 @@ config_override: PagedConfig | None = None
 tma_mode: bool | None = None
 
 def paged_config(head_dim_pad: int, decode: bool, tma_pages: bool, kv_bytes: int,
-                 causal: bool = False) -> PagedConfig:
+                 causal: bool = False, mean_queries: float = float("inf")) -> PagedConfig:
     """The launch config; ``tma_pages``: the layout and page size allow TMA loads of 64-key blocks;
-    ``kv_bytes``: the cache's element size; ``causal``: a causal prefill."""
+    ``kv_bytes``: the cache's element size; ``causal``: a causal prefill; ``mean_queries``: queries per
+    sequence on average (total_q / B, known on the host): sequences shorter than a 256-row tile take the
+    128-row config, since a tile runs its whole key loop however few of its rows are queries."""
     if config_override is not None:
         return config_override
     if is_interpreter():
@@ -446,4 +450,7 @@ def paged_config(head_dim_pad: int, decode: bool, tma_pages: bool, kv_bytes: int
         return PREFILL_TMA_CONFIGS[head_dim_pad]
     if causal and head_dim_pad in PREFILL_GATHER_CAUSAL_CONFIGS:
         return PREFILL_GATHER_CAUSAL_CONFIGS[head_dim_pad]
-    return PREFILL_GATHER_CONFIGS[head_dim_pad]
+    cfg = PREFILL_GATHER_CONFIGS[head_dim_pad]
+    if cfg.block_m > 128 and mean_queries < cfg.block_m:
+        return SHORT_PREFILL_GATHER_CONFIG
+    return cfg

@@ -283,7 +283,7 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
     group = num_heads // cache.kv_heads
     pad = head_dim_pad(head_dim)
     cfg = kern.paged_config(pad, decode, _use_tma(cache, k_cache, v_cache, 64), k_cache.element_size(),
-                            causal and not decode)
+                            causal and not decode, total_q / max(batch, 1))
     if decode:
         # pack the query heads of one KV head into the tile's rows: each key block is read once per group
         heads_per_tile = _largest_divisor_at_most(group, 64)

@@ -407,11 +407,11 @@ PREFILL_GATHER_CONFIGS = {
 SHORT_PREFILL_GATHER_CONFIG = PagedConfig(128, 128, 8, 3)
 # Causal masks, gathered rows (H100, page 16, 4 x 4096 queries and keys, D 128, 3 interleaved rounds,
 # ours / contiguous flash_attn_varlen_func in the same run, 2026-11-22): 128x64/8/3 0.901 (H 16 / H_kv
-# 16) and 0.908 (32 / 8) against 0.876 and 0.892 for 128x128/8/3, then the full-mask config, which stays
-# ahead there (0.942 / 0.960 against 0.899 / 0.907). 128x64/8/4 0.892 / 0.861, 128x32/8/4 0.74-0.76, 64x128/4/3
-# 0.61, 128x64/4/3 0.38-0.41; later runs: 256x64/16/3 0.874-0.882 / 0.914-0.915, 256x64/16/4 0.862 /
-# 0.902, 256x32/16/3 0.815 / 0.855, 128x64/8/2 with 128 registers (two blocks per SM) 0.847 / 0.879.
-# Other head dims: the full-mask table.
+# 16) and 0.908 (32 / 8) against 0.876 and 0.892 for 128x128/8/3, then the full-mask config, which
+# stayed ahead there (0.942 / 0.960 against 0.899 / 0.907). 128x64/8/4 0.892 / 0.861, 128x32/8/4
+# 0.74-0.76, 64x128/4/3 0.61, 128x64/4/3 0.38-0.41; later runs: 256x64/16/3 0.874-0.882 / 0.914-0.915,
+# 256x64/16/4 0.862 / 0.902, 256x32/16/3 0.815 / 0.855, 128x64/8/2 with 128 registers (two blocks per
+# SM) 0.847 / 0.879. Other head dims: the full-mask table.
 PREFILL_GATHER_CAUSAL_CONFIGS = {128: PagedConfig(128, 64, 8, 3)}
 # decode: BLOCK_M is raised to fit the packed heads; bandwidth-bound (1.04-1.06x the copy-bandwidth
 # floor at D 128 with these, page sizes 1, 16 and 64)

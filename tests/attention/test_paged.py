@@ -637,6 +637,24 @@ def test_torch_compile_fullgraph(device):
         assert torch.equal(first, second), f"compiled and eager {label} differ"
 
 
+TALL_TILE_CASES = [
+    # sequences of more and fewer queries than one tile, a tile past the last sequence's queries
+    case((600, 5, 0, 260), (610, 40, 3, 400), heads=2, heads_kv=1, page_size=3),
+    case((300, 17), (290, 33), page_size=16, table="2d", dtype=torch.bfloat16, window_left=40),
+]
+
+
+@pytest.mark.parametrize("c", [c.param() for c in TALL_TILE_CASES])
+def test_prefill_256_row_tiles(c, monkeypatch, device):
+    """The 256-row tiles of ``PREFILL_GATHER_CONFIGS`` at D 128 (the interpreter otherwise runs 16-row
+    ones): virtual query blocks of 256 queries, against the reference."""
+    monkeypatch.setattr(_paged_kernels, "config_override", _paged_kernels.PREFILL_GATHER_CONFIGS[128])
+    monkeypatch.setattr(paged_api, "_PLANS", {})
+    check_prefill(c, device)
+    (plan,) = paged_api._PLANS.values()
+    assert plan.attn.constexprs["BLOCK_M"] == 256
+
+
 def test_causal_prefill_takes_its_own_gather_config(monkeypatch):
     """Gathered rows under a causal mask at D 128 take ``PREFILL_GATHER_CAUSAL_CONFIGS``; full masks, TMA
     pages, decode and other head dims keep their tables; short sequences keep 128-row tiles."""
@@ -877,6 +895,8 @@ GPU_CASES = [
          scale="page", causal=True),
     case(GPU_Q, GPU_K, heads=32, heads_kv=8, head_dim=128, page_size=16, dtype=torch.float16, kv_dtype=E5M2,
          scale="tensor", table="2d", logits_soft_cap=30.0),
+    # full masks over gathered pages at D 128: 256-row tiles (the queries average 550 a sequence)
+    case(GPU_Q, GPU_K, heads=16, heads_kv=16, head_dim=128, page_size=1, dtype=torch.bfloat16, causal=False),
 ]
 
 

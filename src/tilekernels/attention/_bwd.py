@@ -130,7 +130,11 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_row0, head, lse_base, delta_base
     return dk, dv
 
 
-@triton.jit
+# The batch-mode sequence lengths are not specialised on their values (triton makes an int that equals 1
+# a constant): at head dim 256 the dK/dV and dQ kernels specialised for seqlen_q = 1 with head_group = 1
+# crash ptxas (triton 3.6's, SIGSEGV; seen on the H100, and reproduced for dK/dV by compiling for sm_90 on
+# a CPU machine).
+@triton.jit(do_not_specialize=["seqlen_q_batch", "seqlen_k_batch"])
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, AlibiSlopes, SeedOffset,
                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                    stride_vh, stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
@@ -267,7 +271,7 @@ def _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, kv_row0, hk, stride_ks, str
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seqlen_q_batch", "seqlen_k_batch"])  # as _attn_bwd_dkdv: ptxas crash
 def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, AlibiSlopes, SeedOffset, stride_qb,
                  stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,

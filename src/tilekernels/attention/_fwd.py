@@ -37,6 +37,7 @@ from .._runtime import (
     cdiv,
     dot,
     ensure_cuda_context,
+    is_hopper,
     is_interpreter,
     supports_tensor_descriptors,
 )
@@ -372,6 +373,265 @@ def _dropout_mask_kernel(Keep, SeedOffset, seqlen_q, seqlen_k, num_heads, dropou
 
 
 # ----------------------------------------------------------------------------------------------------
+# Hopper: the forward in Gluon (warp-specialised, FlashAttention-3's schedule)
+#
+# One program: BLOCK_M = 128 query rows of one (sequence, head), as two consumer warpgroups of 64 rows
+# each, and one producer warp that TMA-loads q once and every key block's K and V into rings of STAGES
+# shared buffers (K of block j before V of block j - 1, the order the consumers use them). A consumer
+# issues s_j = q k_j^T and then p_{j-1} @ V_{j-1} without waiting, waits for s_j only, and computes the
+# softmax of block j while p_{j-1} @ V_{j-1} still runs on the tensor cores (FlashAttention-3's
+# intra-warpgroup overlap); the two warpgroups interleave on the SM by themselves. Nothing is in flight
+# across the loop's back edge: ptxas serialises every wgmma of a kernel (warning C7514) if registers of
+# an unfinished one are read, which the loop-carried accumulator would be. Triton's own pipeliner cannot
+# express the overlap: it waits on a product right after issuing it whenever the result feeds anything
+# but the next product's accumulator.
+#
+# The fast path covers fp16/bf16 at head dims 128 and 256 (``HOPPER_FWD_CONFIGS``) with heads contiguous
+# (q/k/v viewable as [rows, H * D]), causal or windowed masks, GQA, batch and varlen modes; softcap, ALiBi
+# and dropout take the Triton kernel above. Rows past a sequence's keys in its last block belong to the
+# next sequence (or lie past the tensor, which TMA fills with 0): the producer zeroes those rows of V
+# before it releases the block, since 0 * NaN would not be 0 in p @ v. Scores of such keys are masked to
+# -inf by value.
+
+try:  # gluon ships with triton 3.6 and 3.9; an older triton keeps the Triton kernel only
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    # triton 3.9 renamed the TMA copy (the old name raises there); 3.6 has only the old one
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAVE_GLUON = False
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _fa3_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                      v_fix, q_row, q_col, kv_row, kv_col, lo, n_blocks, seqlen_k,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: q, then K_0, K_1, V_0, K_2, V_1, ... into the rings (the order the consumers take them);
+        the rows of a V block past the sequence's keys are zeroed before the block is released."""
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        for i in range(n_blocks + 1):
+            if i < n_blocks:
+                s = i % STAGES
+                # a fresh barrier counts its (non-existent) previous phase as complete: the first lap passes
+                mbarrier.wait(k_empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [kv_row + lo + i * BLOCK_N, kv_col], k_ready.index(s), k_bufs.index(s))
+            if i > 0:
+                j = i - 1
+                s = j % STAGES
+                n0 = lo + j * BLOCK_N
+                mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
+                if n0 + BLOCK_N <= seqlen_k:
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                    _tma_load(v_desc, [kv_row + n0, kv_col], v_ready.index(s), v_bufs.index(s))
+                else:
+                    # the last block, cut by the sequence's end: at most one per program
+                    mbarrier.expect(v_fix, v_desc.block_type.nbytes)
+                    _tma_load(v_desc, [kv_row + n0, kv_col], v_fix, v_bufs.index(s))
+                    mbarrier.wait(v_fix, 0)
+                    buf = v_bufs.index(s)
+                    CHUNK: gl.constexpr = 8
+                    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+                    for c in gl.static_range(BLOCK_N // CHUNK):
+                        rows = n0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+                        part = buf.slice(c * CHUNK, CHUNK, dim=0)
+                        x = part.load(layout)
+                        x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
+                        part.store(x)
+                    fence_async_shared()
+                    mbarrier.arrive(v_ready.index(s))
+
+    @gluon.jit
+    def _fa3_softmax(s, m_i, l_i, n0, q_pos, seqlen_k, diag, qk_scale_log2, window_left, window_right,
+                     mid_lo, mid_hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One key block of the online softmax on the scores ``s`` (raw q k^T): (p, alpha, m_new, l_new);
+        blocks outside ``[mid_lo, mid_hi)`` apply the masks."""
+        if (n0 < mid_lo) | (n0 >= mid_hi):
+            k_pos = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+            kk = gl.expand_dims(k_pos, 0)
+            qq = gl.expand_dims(q_pos, 1)
+            allowed = kk < seqlen_k
+            if HAS_RIGHT:
+                allowed = allowed & (kk <= qq + diag + window_right)
+            if HAS_LEFT:
+                allowed = allowed & (kk >= qq + diag - window_left)
+            x = gl.where(allowed, s * qk_scale_log2, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(x, axis=1))
+            # a row with nothing allowed yet keeps m = -inf; subtract 0 instead (exp2(-inf) = 0, not NaN)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(x - gl.expand_dims(m_use, 1))
+        else:
+            # plain scores: scale once inside one FMA per element (the scale is > 0, so max commutes)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale_log2)
+            m_use = m_new
+            p = gl.exp2(s * qk_scale_log2 - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_new = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_new
+
+    @gluon.jit
+    def _fa3_consumer(W: gl.constexpr, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                      Out, Lse, o_base, l_base, stride_os, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
+                      window_left, window_right, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                      HAS_RIGHT: gl.constexpr):
+        """One warpgroup: query rows ``m0 + W * BLOCK_M / 2 ...`` against every key block of the program."""
+        HALF: gl.constexpr = BLOCK_M // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        r0 = m0 + W * HALF
+        q_pos = r0 + gl.arange(0, HALF, layout=row_layout)
+        # the key blocks no mask edge cuts for this warpgroup's rows (key_ranges at HALF rows)
+        diag = seqlen_k - seqlen_q
+        full_lo = lo * 0
+        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+        if HAS_LEFT:
+            full_lo = ((gl.maximum(r0 + HALF - 1 + diag - window_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        if HAS_RIGHT:
+            full_hi = gl.minimum(full_hi, (gl.maximum(r0 + diag + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+        mid_lo = full_lo
+        mid_hi = gl.maximum(full_lo, full_hi)
+
+        q = q_smem.slice(W * HALF, HALF, dim=0)
+        m_i = gl.full([HALF], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([HALF], gl.float32, row_layout)
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(q_bar, 0)
+        if n_blocks > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(0))
+            p, alpha, m_i, l_i = _fa3_softmax(s, m_i, l_i, lo, q_pos, seqlen_k, diag, qk_scale_log2, window_left,
+                                              window_right, mid_lo, mid_hi, HAS_LEFT, HAS_RIGHT, BLOCK_N)
+            for i in range(1, n_blocks):
+                ks = i % STAGES
+                mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+                s_tok = warpgroup_mma(q, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                vs = (i - 1) % STAGES
+                mbarrier.wait(v_ready.index(vs), ((i - 1) // STAGES) & 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc_tok = warpgroup_mma(p_op, v_bufs.index(vs), acc, is_async=True)
+                # the scores of block i are in (issued first); p_{i-1} @ V_{i-1} may still run under the
+                # softmax of block i
+                s = warpgroup_mma_wait(1, deps=(s_tok,))
+                mbarrier.arrive(k_empty.index(ks))
+                p, alpha, m_i, l_i = _fa3_softmax(s, m_i, l_i, lo + i * BLOCK_N, q_pos, seqlen_k, diag,
+                                                  qk_scale_log2, window_left, window_right, mid_lo, mid_hi,
+                                                  HAS_LEFT, HAS_RIGHT, BLOCK_N)
+                acc, p_op = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+                mbarrier.arrive(v_empty.index(vs))
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            vs = (n_blocks - 1) % STAGES
+            mbarrier.wait(v_ready.index(vs), ((n_blocks - 1) // STAGES) & 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc_tok = warpgroup_mma(p_op, v_bufs.index(vs), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+            mbarrier.arrive(v_empty.index(vs))
+
+        # out = acc / l and lse (natural log); a row that saw no key: out 0, lse +inf
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        empty = l_o == 0.0
+        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
+        rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = Out + o_base + gl.expand_dims(rows_o.to(gl.int64) * stride_os, 1) + gl.expand_dims(cols_o, 0)
+        gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(rows_o < seqlen_q, 1))
+        empty_s = l_i == 0.0
+        lse = gl.where(empty_s, float("inf"), (m_i + gl.log2(gl.where(empty_s, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(Lse + l_base + q_pos.to(gl.int64), lse, mask=q_pos < seqlen_q)
+
+    @gluon.jit
+    def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, CuSeqlensQ, CuSeqlensK, stride_ob, stride_os, stride_oh,
+                         stride_lb, stride_lh, seqlen_q_batch, seqlen_k_batch, num_heads, head_group,
+                         qk_scale_log2, window_left, window_right, HEAD_DIM: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        """out and lse of BLOCK_M query rows of one (sequence, head); q/k/v are descriptors over
+        ``[rows, H * D]`` (batch and sequence flattened into rows), blocks ``[BLOCK, D]``."""
+        # the longest rows (causal: the last blocks) start first
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // num_heads
+        h = pid_bh % num_heads
+        hk = h // head_group
+        if IS_VARLEN:
+            start_q = gl.load(CuSeqlensQ + b)
+            seqlen_q = gl.load(CuSeqlensQ + b + 1) - start_q
+            start_k = gl.load(CuSeqlensK + b)
+            seqlen_k = gl.load(CuSeqlensK + b + 1) - start_k
+        else:
+            seqlen_q = seqlen_q_batch + b * 0
+            seqlen_k = seqlen_k_batch + b * 0
+            start_q = b * seqlen_q_batch
+            start_k = b * seqlen_k_batch
+        m0 = pid_m * BLOCK_M
+        # key blocks [lo, hi) any of the rows may see (key_ranges)
+        diag = seqlen_k - seqlen_q
+        lo = m0 * 0
+        hi = seqlen_k
+        if HAS_LEFT:
+            lo = (gl.maximum(m0 + diag - window_left, 0) // BLOCK_N) * BLOCK_N
+        if HAS_RIGHT:
+            hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + diag + window_right, 0))
+        n_blocks = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 0)
+        n_blocks = gl.where(m0 < seqlen_q, n_blocks, 0)
+        if IS_VARLEN:
+            o_base = h.to(gl.int64) * stride_oh + start_q.to(gl.int64) * stride_os
+            l_base = h.to(gl.int64) * stride_lh + start_q.to(gl.int64)
+        else:
+            o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+            l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        v_fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(v_fix, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            # both consumer warpgroups release each block
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                             o_base, l_base, stride_os, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
+                             window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+            (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                             o_base, l_base, stride_os, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
+                             window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+            (_fa3_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                             v_empty, v_fix, start_q + m0, h * HEAD_DIM, start_k, hk * HEAD_DIM, lo, n_blocks,
+                             seqlen_k, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------
 # launch configs: data, per head-dim bucket
 
 
@@ -403,6 +663,78 @@ config_override: FwdConfig | None = None
 # tests: None decides by the device (TMA on Hopper and newer); False forces the pointer path; True
 # forces descriptors wherever the layout allows, also under the interpreter (which runs them)
 tma_mode: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperFwdConfig:
+    """The Gluon kernel's launch: 128 query rows (two consumer warpgroups), ``block_n`` keys per block,
+    ``stages`` buffers each for K and V, and the register split between consumers and the producer."""
+    block_n: int
+    stages: int
+    consumer_regs: int = 232
+    producer_regs: int = 40
+
+
+# Chosen on an H100 (bf16, 2026-11-23, 3 interleaved rounds, benchmarks/NOTES.md), ours / cuDNN:
+# D 128, 4x16x4096 full | causal: 128/2 stages 0.936 | 0.932, 128/3 0.951 | 0.937, 64/3 0.850 | 0.882,
+# 128/2 with 240/32 registers 0.957 | 0.946 (the Triton kernel: 0.827 | 0.828). D 256: 64/2 0.994 | 0.974
+# (Triton 0.757 | 0.772). D 64 stays with the Triton kernel: 0.898 | 0.883 there against 0.804-0.828 |
+# 0.763-0.774 for 128/2, 128/3, 64/3 and 64/4.
+HOPPER_FWD_CONFIGS = {128: HopperFwdConfig(128, 2, 240, 32), 256: HopperFwdConfig(64, 2)}
+HOPPER_BLOCK_M = 128
+
+# tests and sweeps: None takes the Gluon kernel wherever it applies on Hopper; False never; True also
+# raises if it does not apply (so a test cannot silently run the other kernel)
+hopper_mode: bool | None = None
+hopper_config_override: HopperFwdConfig | None = None
+
+
+def hopper_kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prob: "Problem", use_tma: bool) -> bool:
+    """Whether the Gluon forward takes this call: Hopper (sm_90), fp16/bf16, head dim 128 or 256, heads
+    contiguous in q/k/v (a ``[rows, H * D]`` view for TMA), no softcap, ALiBi or dropout."""
+    if hopper_mode is False:
+        return False
+    ok = (HAVE_GLUON and use_tma and not is_interpreter() and q.is_cuda and is_hopper(q.device)
+          and q.dtype in (torch.float16, torch.bfloat16) and prob.head_dim in HOPPER_FWD_CONFIGS
+          and prob.softcap == 0 and prob.alibi_slopes is None and prob.dropout_p == 0
+          and all(t.stride(-2) == prob.head_dim for t in (q, k, v)))
+    if hopper_mode is True and not ok:
+        raise RuntimeError("hopper_mode=True, but the Gluon forward does not apply to this call")
+    return ok
+
+
+def _hopper_descriptor(t: torch.Tensor, varlen: bool, block_rows: int):
+    """A Gluon tensor descriptor over ``t`` as ``[rows, H * D]``, block ``[block_rows, D]``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    rows = t.shape[0] if varlen else t.shape[0] * t.shape[1]
+    heads, dim = t.shape[-2], t.shape[-1]
+    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], elem)
+    return GluonDescriptor(t, [rows, heads * dim], [t.stride(-3), 1], [block_rows, dim], layout)
+
+
+def _forward_hopper(q, k, v, out, lse, prob: "Problem") -> None:
+    varlen = prob.is_varlen
+    cfg = hopper_config_override or HOPPER_FWD_CONFIGS[prob.head_dim]
+    grid = (cdiv(prob.max_seqlen_q, HOPPER_BLOCK_M), prob.batch * prob.num_heads)
+    if grid[0] == 0:
+        return
+    ensure_cuda_context(q.device.index)
+    q_desc = _hopper_descriptor(q, varlen, HOPPER_BLOCK_M)
+    k_desc = _hopper_descriptor(k, varlen, cfg.block_n)
+    v_desc = _hopper_descriptor(v, varlen, cfg.block_n)
+    cu_q, cu_k, _, _ = prob.pointers(lse)
+    qk_scale_log2, _, _, window_left, window_right, _ = prob.scalars()
+    stride_ob, stride_os, stride_oh = seq_strides(out, varlen)
+    _attn_fwd_hopper[grid](
+        q_desc, k_desc, v_desc, out, lse, cu_q, cu_k, stride_ob, stride_os, stride_oh, *lse_strides(lse, varlen),
+        prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads, prob.num_heads // prob.num_kv_heads,
+        qk_scale_log2, window_left, window_right,
+        HEAD_DIM=prob.head_dim, BLOCK_M=HOPPER_BLOCK_M, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
+    )
 
 
 def head_dim_pad(head_dim: int) -> int:
@@ -534,6 +866,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out, lse
     operands = (q, k, v)
     use_tma = use_tensor_descriptors(operands, varlen)
+    if hopper_kernel_applies(q, k, v, prob, use_tma):
+        _forward_hopper(q, k, v, out, lse, prob)
+        return out, lse
     cfg = fwd_config(prob.head_dim, prob.causal, use_tma)
     grid = (cdiv(prob.max_seqlen_q, cfg.block_m), prob.batch * prob.num_heads)
     if grid[0] == 0:

@@ -132,7 +132,7 @@ def _dkdv_blocks(dk, dv, k, v, q_src, do_src, q_row0, head, lse_base, delta_base
 
 # The batch-mode sequence lengths are not specialised on their values (triton makes an int that equals 1
 # a constant): at head dim 256 the dK/dV and dQ kernels specialised for seqlen_q = 1 with head_group = 1
-# crash ptxas (triton 3.6's, SIGSEGV; seen on the H100, and reproduced for dK/dV by compiling for sm_90 on
+# crash ptxas (triton 3.6's, SIGSEGV; seen on the H100, and reproduced for both by compiling for sm_90 on
 # a CPU machine).
 @triton.jit(do_not_specialize=["seqlen_q_batch", "seqlen_k_batch"])
 def _attn_bwd_dkdv(Q, K, V, DO, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK, AlibiSlopes, SeedOffset,

@@ -683,10 +683,9 @@ class HopperFwdConfig:
 HOPPER_FWD_CONFIGS = {128: HopperFwdConfig(128, 2, 240, 32), 256: HopperFwdConfig(64, 2)}
 HOPPER_BLOCK_M = 128
 
-# tests and sweeps: None takes the Gluon kernel wherever it applies on Hopper; False never; True also
+# tests: None takes the Gluon kernel wherever it applies on Hopper; False never; True also
 # raises if it does not apply (so a test cannot silently run the other kernel)
 hopper_mode: bool | None = None
-hopper_config_override: HopperFwdConfig | None = None
 
 
 def hopper_kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prob: "Problem", use_tma: bool) -> bool:
@@ -716,7 +715,7 @@ def _hopper_descriptor(t: torch.Tensor, varlen: bool, block_rows: int):
 
 def _forward_hopper(q, k, v, out, lse, prob: "Problem") -> None:
     varlen = prob.is_varlen
-    cfg = hopper_config_override or HOPPER_FWD_CONFIGS[prob.head_dim]
+    cfg = HOPPER_FWD_CONFIGS[prob.head_dim]
     grid = (cdiv(prob.max_seqlen_q, HOPPER_BLOCK_M), prob.batch * prob.num_heads)
     if grid[0] == 0:
         return

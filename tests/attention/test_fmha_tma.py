@@ -10,6 +10,9 @@ padding rows past ``cu_seqlens[-1]`` (0 * NaN would leak into real rows if the m
 zero them).
 
 The dK/dV kernel split into one launch per gradient (head dim 256 on a GPU) against one launch.
+
+Which forward a call takes: the Gluon kernel for Hopper (tested in test_fmha_hopper.py, GPU lane; the
+interpreter does not run Gluon) only where it applies.
 """
 
 from __future__ import annotations
@@ -111,3 +114,19 @@ def test_tma_skips_empty_operands(device, monkeypatch):
     out, lse, _ = tk.flash_attn_func(q, k, k, return_attn_probs=True)
     assert torch.equal(out, torch.zeros_like(out))
     assert bool((lse == float("inf")).all())
+
+
+def test_hopper_kernel_dispatch(device, monkeypatch):
+    """The Gluon forward only takes calls it supports: never under the interpreter or off sm_90, and
+    ``hopper_mode=True`` raises instead of silently running the Triton kernel."""
+    q = random_tensor((1, 64, 2, 128), torch.bfloat16, device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        prob = _fwd.Problem(1, 2, 2, 128, 64, 64, None, None, 128 ** -0.5, -1, 0, 0.0, None, 0.0, None)
+        assert not _fwd.hopper_kernel_applies(q, q, q, prob, True)
+        monkeypatch.setattr(_fwd, "hopper_mode", True)
+        with pytest.raises(RuntimeError, match="hopper_mode"):
+            tk.flash_attn_func(q, q, q, causal=True)
+    else:
+        prob = _fwd.Problem(1, 2, 2, 128, 64, 64, None, None, 128 ** -0.5, -1, 0, 0.0, None, 0.0, None)
+        assert _fwd.hopper_kernel_applies(q, q, q, prob, True)
+        assert not _fwd.hopper_kernel_applies(q, q, q, dataclasses.replace(prob, softcap=5.0), True)

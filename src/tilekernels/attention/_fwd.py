@@ -478,11 +478,13 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fa3_consumer(W: gl.constexpr, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                      Out, Lse, o_base, l_base, stride_os, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
-                      window_left, window_right, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                      HAS_RIGHT: gl.constexpr):
-        """One warpgroup: query rows ``m0 + W * BLOCK_M / 2 ...`` against every key block of the program."""
+                      Out, Lse, o_base, l_base, stride_os, stride_ls, out_scale, m0, seqlen_q, seqlen_k, lo,
+                      n_blocks, qk_scale_log2, window_left, window_right, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
+                      HAS_RIGHT: gl.constexpr, EMPTY_LSE: gl.constexpr):
+        """One warpgroup: query rows ``m0 + W * BLOCK_M / 2 ...`` against every key block of the program.
+        Row i's out is at ``Out + o_base + i * stride_os`` (times ``out_scale``), its lse at ``Lse + l_base +
+        i * stride_ls``; a row that sees no key gets out 0 and lse ``EMPTY_LSE``."""
         HALF: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -543,17 +545,17 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))
             mbarrier.arrive(v_empty.index(vs))
 
-        # out = acc / l and lse (natural log); a row that saw no key: out 0, lse +inf
+        # out = acc / l and lse (natural log); a row that saw no key: out 0, lse EMPTY_LSE
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         empty = l_o == 0.0
-        out = acc / gl.expand_dims(gl.where(empty, 1.0, l_o), 1)
+        out = acc * gl.expand_dims(out_scale / gl.where(empty, 1.0, l_o), 1)
         rows_o = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
         cols_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_ptrs = Out + o_base + gl.expand_dims(rows_o.to(gl.int64) * stride_os, 1) + gl.expand_dims(cols_o, 0)
         gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=gl.expand_dims(rows_o < seqlen_q, 1))
         empty_s = l_i == 0.0
-        lse = gl.where(empty_s, float("inf"), (m_i + gl.log2(gl.where(empty_s, 1.0, l_i))) * 0.6931471805599453)
-        gl.store(Lse + l_base + q_pos.to(gl.int64), lse, mask=q_pos < seqlen_q)
+        lse = gl.where(empty_s, EMPTY_LSE, (m_i + gl.log2(gl.where(empty_s, 1.0, l_i))) * 0.6931471805599453)
+        gl.store(Lse + l_base + q_pos.to(gl.int64) * stride_ls, lse, mask=q_pos < seqlen_q)
 
     @gluon.jit
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, CuSeqlensQ, CuSeqlensK, stride_ob, stride_os, stride_oh,
@@ -620,11 +622,13 @@ if HAVE_GLUON:
 
         gl.warp_specialize([
             (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                             o_base, l_base, stride_os, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
-                             window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+                             o_base, l_base, stride_os, 1, 1.0, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
+                             window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                             float("inf"))),
             (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                             o_base, l_base, stride_os, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
-                             window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+                             o_base, l_base, stride_os, 1, 1.0, m0, seqlen_q, seqlen_k, lo, n_blocks, qk_scale_log2,
+                             window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT,
+                             float("inf"))),
             (_fa3_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
                              v_empty, v_fix, start_q + m0, h * HEAD_DIM, start_k, hk * HEAD_DIM, lo, n_blocks,
                              seqlen_k, BLOCK_N, STAGES)),

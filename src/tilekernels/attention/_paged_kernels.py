@@ -47,7 +47,14 @@ import triton
 import triton.language as tl
 
 from .._runtime import cast_for_store, dot, is_interpreter
-from ._fwd import FP32_PRECISION, key_ranges, normalize, softmax_step
+from ._fwd import FP32_PRECISION, HAVE_GLUON, key_ranges, normalize, softmax_step
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+    from ._fwd import _fa3_consumer, _tma_load
 
 SCALE_NONE = 0
 SCALE_TENSOR = 1
@@ -375,6 +382,178 @@ def _merge_states(VA, LseA, VB, LseB, Out, Lse, num_heads, stride_at, stride_ah,
 
 
 # ----------------------------------------------------------------------------------------------------
+# Hopper prefill in Gluon: the FlashAttention forward's schedule (``_fwd._attn_fwd_hopper``: a TMA producer
+# warp, two consumer warpgroups that overlap the softmax with ``p @ V``), with a producer that fills each
+# key block's shared buffer page by page. The caches are 2-D descriptors over ``[pages * page_size,
+# H_kv * D]``; a key block of ``BLOCK_N`` rows is ``BLOCK_N // SUB`` TMA boxes of ``SUB = min(page_size,
+# BLOCK_N)`` rows, each landing in its rows of the block's buffer. The producer reads the page ids of the
+# next block into registers (every lane holds them all) while the current one is in flight. Rows past the
+# sequence's keys (page 0, or a page's unused slots; either may hold NaN) are zeroed in V as in the
+# forward, and masked by value in the scores. The consumers are ``_fwd._fa3_consumer`` unchanged.
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _find_sequence_gl(QoIndptr, pid, num_seqs, QT: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+        """``_find_sequence`` for Gluon kernels."""
+        lo = pid * 0
+        count = num_seqs + lo
+        for _ in gl.static_range(SEARCH_STEPS):
+            half = count // 2
+            mid = lo + half
+            first = gl.load(QoIndptr + mid) // QT + mid
+            go_right = (count > 0) & (first <= pid)
+            lo = gl.where(go_right, mid + 1, lo)
+            count = gl.where(go_right, count - half - 1, gl.where(count > 0, half, 0))
+        return lo - 1
+
+    @gluon.jit
+    def _page_rows(PageTable, table_base, n0, seqlen_k, PAGE_SIZE: gl.constexpr, SUB: gl.constexpr,
+                   NPG: gl.constexpr):
+        """Cache rows (page * PAGE_SIZE + slot) of the NPG boxes of the key block at ``n0``, in every lane;
+        boxes past the sequence read page 0."""
+        layout: gl.constexpr = gl.BlockedLayout([NPG], [32], [1], [0])
+        keys = n0 + gl.arange(0, NPG, layout=layout) * SUB
+        pages = gl.load(PageTable + table_base + keys // PAGE_SIZE, mask=keys < seqlen_k, other=0)
+        return pages * PAGE_SIZE + keys % PAGE_SIZE
+
+    @gluon.jit
+    def _pick(rows, i: gl.constexpr, NPG: gl.constexpr):
+        """Element ``i`` of ``_page_rows``' result as a scalar (each lane holds them all: no shuffles)."""
+        if NPG == 1:
+            return gl.sum(rows, axis=0)
+        idx = gl.arange(0, NPG, layout=rows.type.layout)
+        return gl.sum(gl.where(idx == i, rows, 0), axis=0)
+
+    @gluon.jit
+    def _paged_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                        v_fix, PageTable, table_base, q_row, q_col, kv_col, lo, n_blocks, seqlen_k,
+                        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr):
+        """``_fwd._fa3_producer`` over a paged cache: each K and V block is NPG boxes, one per page run."""
+        SUB: gl.constexpr = PAGE_SIZE if PAGE_SIZE < BLOCK_N else BLOCK_N
+        NPG: gl.constexpr = BLOCK_N // SUB
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        block_bytes: gl.constexpr = BLOCK_N * k_desc.block_type.nbytes // SUB
+        # rows_k: block i's boxes (read one iteration ahead); rows_v: block i - 1's. Two values that never
+        # share a handle: triton 3.6 carried only one of two loop variables that started as the same one.
+        rows_k = _page_rows(PageTable, table_base, lo, seqlen_k, PAGE_SIZE, SUB, NPG)
+        rows_v = gl.zeros_like(rows_k)
+        for i in range(n_blocks + 1):
+            if i < n_blocks:
+                s = i % STAGES
+                # a fresh barrier counts its (non-existent) previous phase as complete: the first lap passes
+                mbarrier.wait(k_empty.index(s), ((i // STAGES) & 1) ^ 1)
+                mbarrier.expect(k_ready.index(s), block_bytes)
+                for c in gl.static_range(NPG):
+                    _tma_load(k_desc, [_pick(rows_k, c, NPG), kv_col], k_ready.index(s),
+                              k_bufs.index(s).slice(c * SUB, SUB, dim=0))
+            if i > 0:
+                j = i - 1
+                s = j % STAGES
+                n0 = lo + j * BLOCK_N
+                mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
+                if n0 + BLOCK_N <= seqlen_k:
+                    mbarrier.expect(v_ready.index(s), block_bytes)
+                    for c in gl.static_range(NPG):
+                        _tma_load(v_desc, [_pick(rows_v, c, NPG), kv_col], v_ready.index(s),
+                                  v_bufs.index(s).slice(c * SUB, SUB, dim=0))
+                else:
+                    # the last block, cut by the sequence's end: at most one per program
+                    mbarrier.expect(v_fix, block_bytes)
+                    for c in gl.static_range(NPG):
+                        _tma_load(v_desc, [_pick(rows_v, c, NPG), kv_col], v_fix,
+                                  v_bufs.index(s).slice(c * SUB, SUB, dim=0))
+                    mbarrier.wait(v_fix, 0)
+                    buf = v_bufs.index(s)
+                    CHUNK: gl.constexpr = 8
+                    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+                    for c in gl.static_range(BLOCK_N // CHUNK):
+                        rows = n0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+                        part = buf.slice(c * CHUNK, CHUNK, dim=0)
+                        x = part.load(layout)
+                        x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
+                        part.store(x)
+                    fence_async_shared()
+                    mbarrier.arrive(v_ready.index(s))
+            rows_v = rows_k
+            rows_k = _page_rows(PageTable, table_base, lo + (i + 1) * BLOCK_N, seqlen_k, PAGE_SIZE, SUB, NPG)
+
+    @gluon.jit
+    def _paged_prefill_hopper(q_desc, k_desc, v_desc, Out, Lse, QoIndptr, KvIndptr, PageTable, LastPageLen, SeqlenK,
+                              stride_ot, stride_oh, stride_lt, stride_lh, stride_table, num_seqs, num_heads,
+                              head_group, qk_scale_log2, v_scale_value, window_left, HEAD_DIM: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              PAGE_SIZE: gl.constexpr, SEARCH_STEPS: gl.constexpr, TABLE_2D: gl.constexpr,
+                              CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr):
+        """out and lse of BLOCK_M queries of one (sequence, head) over a paged cache (``_paged_attn``'s
+        virtual query blocks, grid (virtual blocks, H)); q is a descriptor over ``[total_q, H * D]``."""
+        # the last virtual blocks first: under a causal mask a sequence's last query blocks are its longest
+        pid = gl.num_programs(0) - 1 - gl.program_id(0)
+        h = gl.program_id(1)
+        hk = h // head_group
+        b = _find_sequence_gl(QoIndptr, pid, num_seqs, BLOCK_M, SEARCH_STEPS)
+        start_q = gl.load(QoIndptr + b)
+        qo_len = gl.load(QoIndptr + b + 1) - start_q
+        m0 = (pid - (start_q // BLOCK_M + b)) * BLOCK_M
+        if TABLE_2D:
+            table_base = b.to(gl.int64) * stride_table
+            seqlen_k = gl.load(SeqlenK + b)
+        else:
+            first_page = gl.load(KvIndptr + b)
+            num_pages = gl.load(KvIndptr + b + 1) - first_page
+            table_base = first_page.to(gl.int64)
+            seqlen_k = gl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + gl.load(LastPageLen + b), 0)
+        # key blocks [lo, hi) any of the rows may see (bottom-right aligned, as the forward)
+        diag = seqlen_k - qo_len
+        lo = m0 * 0
+        hi = seqlen_k
+        if HAS_LEFT:
+            lo = (gl.maximum(m0 + diag - window_left, 0) // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + diag, 0))
+        n_blocks = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 0)
+        n_blocks = gl.where((m0 >= 0) & (m0 < qo_len), n_blocks, 0)
+        o_base = start_q.to(gl.int64) * stride_ot + h.to(gl.int64) * stride_oh
+        l_base = start_q.to(gl.int64) * stride_lt + h.to(gl.int64) * stride_lh
+
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        v_fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(v_fix, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            # both consumer warpgroups release each block
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                             o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo, n_blocks,
+                             qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, CAUSAL,
+                             float("-inf"))),
+            (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                             o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo, n_blocks,
+                             qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, CAUSAL,
+                             float("-inf"))),
+            (_paged_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                               v_empty, v_fix, PageTable, table_base, start_q + m0, h * HEAD_DIM, hk * HEAD_DIM, lo,
+                               n_blocks, seqlen_k, BLOCK_N, STAGES, PAGE_SIZE)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------------
 # launch configs
 
 
@@ -433,6 +612,9 @@ config_override: PagedConfig | None = None
 # tests: None decides by the device (TMA on Hopper and newer, where the layout allows); False forces
 # the pointer path; True forces descriptors wherever the layout allows, also under the interpreter
 tma_mode: bool | None = None
+# tests: None takes the Gluon prefill (``_paged_prefill_hopper``) wherever it applies on Hopper; False
+# never; True also raises where it does not apply (so a test cannot silently run the Triton kernel)
+hopper_mode: bool | None = None
 
 def paged_config(head_dim_pad: int, decode: bool, tma_pages: bool, kv_bytes: int,
                  causal: bool = False, mean_queries: float = float("inf")) -> PagedConfig:

@@ -1,7 +1,9 @@
 """``tk.batch_prefill``, ``tk.batch_decode`` and ``tk.merge_attention_states``: attention over paged KV caches.
 
 What aiter's ``mha_batch_prefill_func`` and FlashInfer's paged prefill/decode wrappers do, in one Triton
-kernel (``_paged_kernels.py``) built on the FlashAttention forward's online softmax and masks.
+kernel (``_paged_kernels.py``) built on the FlashAttention forward's online softmax and masks; on Hopper,
+prefill at page sizes that are powers of two >= 8 takes a Gluon kernel instead (the Gluon forward's
+consumers with a producer that loads each key block page by page, ``_hopper_prefill_applies``).
 
 Reading order: argument checks -> the launcher -> the torch.library op (it writes into ``out`` and
 ``lse``, so a caller's buffer is filled in place) -> the public functions.
@@ -25,6 +27,7 @@ from .._runtime import (
     check_runnable,
     descriptor_template,
     ensure_cuda_context,
+    is_hopper,
     is_interpreter,
     on_current_device,
     plain_eager,
@@ -33,6 +36,7 @@ from .._runtime import (
     supports_tensor_descriptors,
     tensor_key,
 )
+from . import _fwd
 from . import _paged_kernels as kern
 from ._fwd import LOG2E, head_dim_pad
 from .fmha import check_tensor
@@ -250,6 +254,45 @@ def _page_descriptor(cache: torch.Tensor, block_n: int, pad: int):
     return descriptor_template(cache, cache.shape, cache.stride(), [1, block_n, 1, pad])
 
 
+def _hopper_prefill_applies(q, k_cache, v_cache, cache: _Cache, scales, out, logits_soft_cap: float) -> bool:
+    """Whether the Gluon prefill (``kern._paged_prefill_hopper``) takes this call: Hopper, a cache of q's
+    dtype (fp16/bf16) in the linear layout with heads contiguous and pages that flatten into rows, a page
+    size that is a power of two >= 8, head dim 128 or 256, no softcap and no device-side scales. Where it
+    does not, the Triton kernel runs (``kern.hopper_mode`` True raises instead: tests)."""
+    if kern.hopper_mode is False:
+        return False
+    head_dim = q.shape[-1]
+    page = cache.page_size
+    esize = q.element_size()
+
+    def rows_ok(t, row_stride):  # [.., H, D] with heads contiguous, 16-byte aligned rows
+        return (t.stride(-1) == 1 and t.stride(-2) == head_dim and t.data_ptr() % 16 == 0
+                and (row_stride * esize) % 16 == 0)
+
+    ok = (_fwd.HAVE_GLUON and not is_interpreter() and q.is_cuda and is_hopper(q.device)
+          and q.dtype in (torch.float16, torch.bfloat16) and cache.dtype == q.dtype and not cache.vectorized
+          and head_dim in _fwd.HOPPER_FWD_CONFIGS and page >= 8 and page & (page - 1) == 0
+          and cache.num_pages * page <= INT32_MAX and logits_soft_cap == 0
+          and scales[0][2] == kern.SCALE_NONE and scales[1][2] == kern.SCALE_NONE
+          and rows_ok(q, q.stride(0)) and out.stride(-1) == 1
+          and all(rows_ok(t, t.stride(1)) and t.stride(0) == page * t.stride(1) for t in (k_cache, v_cache)))
+    if kern.hopper_mode is True and not ok:
+        raise RuntimeError("hopper_mode=True, but the Gluon prefill does not apply to this call")
+    return ok
+
+
+def _gluon_descriptor(t: torch.Tensor, rows: int, block_rows: int, layout_rows: int):
+    """A Gluon descriptor over ``t`` as ``[rows, H * D]`` (row stride ``t.stride(-3)``), block ``[block_rows,
+    D]``, with the shared layout of a ``[layout_rows, D]`` buffer (boxes land in row slices of one)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    heads, dim = t.shape[-2], t.shape[-1]
+    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([layout_rows, dim], elem)
+    return GluonDescriptor(t, [rows, heads * dim], [t.stride(-3), 1], [block_rows, dim], layout)
+
+
 class _Plan:
     """Everything about one paged-attention launch that its signature fixes (shapes, strides, dtypes,
     alignments, options): worked out and checked once, then reused by every call with that signature,
@@ -257,7 +300,8 @@ class _Plan:
     directly). Eager decode at 8 x 32768 keys runs ~0.4 ms on an H100; the dispatcher, the checks and
     two binder passes cost about as much on the device host, which made eager timings host-bound."""
 
-    __slots__ = ("attn", "merge", "num_splits", "use_tma", "k_desc", "v_desc", "ints", "part_shapes", "scale_modes")
+    __slots__ = ("attn", "merge", "num_splits", "use_tma", "k_desc", "v_desc", "ints", "part_shapes", "scale_modes",
+                 "hopper")
 
 
 # call signature -> _Plan (``_plan_key``)
@@ -271,7 +315,8 @@ def _plan_key(q, k_cache, v_cache, qo_indptr, tables, k_scale, v_scale, out, cau
     that hits a plan skips the checks, so a tensor on another device must miss it), plus the test knobs."""
     return (*((None, None) if t is None else (tensor_key(t), t.device)
               for t in (q, k_cache, v_cache, qo_indptr, *tables, k_scale, v_scale, out)),
-            causal, logits_soft_cap > 0, window_left, num_splits, kern.config_override, kern.tma_mode)
+            causal, logits_soft_cap > 0, window_left, num_splits, kern.config_override, kern.tma_mode,
+            kern.hopper_mode)
 
 
 def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scales, out, causal: bool,
@@ -304,6 +349,21 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
     plan = _Plan()
     plan.num_splits = num_splits
     plan.scale_modes = (k_mode, v_mode)
+    plan.hopper = None
+    if not decode and _hopper_prefill_applies(q, k_cache, v_cache, cache, scales, out, logits_soft_cap):
+        hcfg = _fwd.HOPPER_FWD_CONFIGS[head_dim]
+        block_m = _fwd.HOPPER_BLOCK_M
+        page_table = table["page_table"]
+        plan.hopper = (hcfg, (total_q // block_m + batch, num_heads), dict(
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=hcfg.block_n, STAGES=hcfg.stages,
+            PAGE_SIZE=cache.page_size, SEARCH_STEPS=max(1, batch.bit_length()), TABLE_2D=table["table_2d"],
+            CAUSAL=causal, HAS_LEFT=window_left >= 0, CONSUMER_REGS=hcfg.consumer_regs,
+            PRODUCER_REGS=hcfg.producer_regs, num_warps=4),
+            (out.stride(0), out.stride(1), num_heads, 1,
+             page_table.stride(0) if table["table_2d"] and page_table.numel() else 0, batch, num_heads, group))
+        plan.attn = plan.merge = plan.part_shapes = plan.k_desc = plan.v_desc = plan.ints = None
+        plan.use_tma = True
+        return plan
     l_strides = (num_heads, 1)   # lse and the partial lse are [.., total_q, H], contiguous
     if num_splits > 1:
         plan.part_shapes = ((num_splits, *q.shape), (num_splits, total_q, num_heads))
@@ -342,6 +402,10 @@ def _launch(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, scales, ou
             logits_soft_cap: float, window_left: int) -> None:
     """One call of ``plan`` on these tensors (which match the signature the plan was made for)."""
     (k_scale, k_value, _), (v_scale, v_value, _) = scales
+    if plan.hopper is not None:
+        _launch_hopper(plan, q, k_cache, v_cache, qo_indptr, table, out, lse, softmax_scale * k_value * LOG2E,
+                       v_value, window_left)
+        return
     if logits_soft_cap > 0:
         scalars = (0.0, logits_soft_cap * LOG2E, softmax_scale * k_value / logits_soft_cap)
     else:
@@ -367,6 +431,24 @@ def _launch(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, scales, ou
         plan.merge((dst, dst_lse, out, lse, total_q, num_heads, dst.stride(0), dst_lse.stride(0), dst.stride(1),
                     dst.stride(2), dst_lse.stride(1), dst_lse.stride(2), out.stride(0), out.stride(1),
                     lse.stride(0), lse.stride(1)), q.device)
+
+
+def _launch_hopper(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, out, lse, qk_scale_log2: float,
+                   v_value: float, window_left: int) -> None:
+    """One call of the Gluon prefill: descriptors over this call's tensors, then the launch."""
+    cfg, grid, constants, ints = plan.hopper
+    ensure_cuda_context(q.device.index)
+    page = k_cache.shape[1]
+    sub = min(page, cfg.block_n)
+    q_desc = _gluon_descriptor(q, q.shape[0], constants["BLOCK_M"], constants["BLOCK_M"])
+    k_desc = _gluon_descriptor(k_cache, k_cache.shape[0] * page, sub, cfg.block_n)
+    v_desc = _gluon_descriptor(v_cache, v_cache.shape[0] * page, sub, cfg.block_n)
+    page_table = table["page_table"] if table["page_table"].numel() else q  # a stand-in that is never read
+    stride_ot, stride_oh, stride_lt, stride_lh, stride_table, batch, num_heads, group = ints
+    kern._paged_prefill_hopper[grid](
+        q_desc, k_desc, v_desc, out, lse, qo_indptr, table.get("kv_indptr", page_table), page_table,
+        table.get("last_page_len", page_table), table.get("seqlen_k", page_table), stride_ot, stride_oh, stride_lt,
+        stride_lh, stride_table, batch, num_heads, group, qk_scale_log2, v_value, window_left, **constants)
 
 
 def _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,

@@ -3,11 +3,12 @@
 GPU lane (``-m gpu``; it needs an sm_90 device, and the interpreter does not run Gluon); the CPU lane
 checks that forcing it raises where it does not run. Every GPU test forces the kernel
 (``_paged_kernels.hopper_mode = True``, which raises where the kernel does not apply, so no case silently
-runs the Triton kernel instead): page sizes 8 to 1024 (one TMA box per page, or per key block), head
-dims 128 and 256, fp16 and bf16, 1-D and 2-D tables, causal masks with more and fewer queries than keys,
-sliding windows, GQA/MQA, empty sequences, host-side k/v scales. Every cache comes from
-``make_paged_kv`` with page 0 and every unused slot NaN: the key blocks cut by a sequence's end read them
-through TMA, and the producer must zero those rows of V.
+runs the Triton kernel instead): page sizes 8 to 1024 (one TMA box per page, or per key block) and 1, 3
+and 48 (rows gathered by cp.async), head dims 128 and 256, fp16 and bf16, 1-D and 2-D tables, causal masks
+with more and fewer queries than keys, sliding windows, GQA/MQA, empty sequences, host-side k/v scales.
+Every cache comes from ``make_paged_kv`` with page 0 and every unused slot NaN: the key blocks cut by a
+sequence's end read them through TMA, and the producer must zero those rows of V (the gathering producer
+masks them instead).
 """
 
 from __future__ import annotations
@@ -49,8 +50,16 @@ HOPPER_CASES = [
     case(LQ, LK, heads=8, heads_kv=2, head_dim=128, page_size=32, dtype=BF16, causal=True, window_left=200),
     case(LQ, LK, heads=8, heads_kv=2, head_dim=128, page_size=16, dtype=BF16, causal=False, window_left=0),
     case(LQ, LK, heads=8, heads_kv=2, head_dim=128, page_size=16, dtype=BF16, causal=True, softmax_scale=0.05),
+    # gathered pages (cp.async): page sizes below 8 or not powers of two
+    case(LQ, LK, heads=16, heads_kv=4, head_dim=128, page_size=1, dtype=BF16, causal=True, extra_pages=64),
+    case(LQ, LK, heads=8, heads_kv=2, head_dim=128, page_size=1, dtype=FP16, causal=False, table="2d",
+         window_left=100),
+    case(LQ, LK, heads=8, heads_kv=2, head_dim=256, page_size=3, dtype=BF16, causal=True),
+    case(LQ, LK, heads=8, heads_kv=1, head_dim=128, page_size=48, dtype=BF16, causal=True, table="2d"),
     # more queries than keys (rows that see no key: out 0, lse -inf), and empty sequences
     case((300, 5, 0, 77), (100, 0, 9, 300), heads=4, heads_kv=2, head_dim=128, page_size=16, dtype=BF16,
+         causal=True),
+    case((300, 5, 0, 77), (100, 0, 9, 300), heads=4, heads_kv=2, head_dim=128, page_size=1, dtype=BF16,
          causal=True),
 ]
 
@@ -87,12 +96,11 @@ def test_hopper_prefill_equals_triton(hopper, monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("what", ["page3", "page4", "d64", "softcap", "fp8", "vectorized"])
+@pytest.mark.parametrize("what", ["d64", "d96", "softcap", "fp8", "vectorized"])
 def test_hopper_mode_raises_where_it_does_not_apply(what, hopper):
     kw = dict(heads=4, heads_kv=2, head_dim=128, page_size=16, dtype=BF16, causal=True)
-    kw.update({"page3": dict(page_size=3), "page4": dict(page_size=4), "d64": dict(head_dim=64),
-               "softcap": dict(logits_soft_cap=5.0), "fp8": dict(kv_dtype=torch.float8_e4m3fn),
-               "vectorized": dict(layout="vectorized")}[what])
+    kw.update({"d64": dict(head_dim=64), "d96": dict(head_dim=96), "softcap": dict(logits_soft_cap=5.0),
+               "fp8": dict(kv_dtype=torch.float8_e4m3fn), "vectorized": dict(layout="vectorized")}[what])
     problem = make_paged_problem(case((5, 9), (20, 7), **kw), hopper)
     with pytest.raises(RuntimeError, match="hopper_mode"):
         run_prefill(problem)

@@ -481,10 +481,11 @@ if HAVE_GLUON:
                       Out, Lse, o_base, l_base, stride_os, stride_ls, out_scale, m0, seqlen_q, seqlen_k, lo,
                       n_blocks, qk_scale_log2, window_left, window_right, HEAD_DIM: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr,
-                      HAS_RIGHT: gl.constexpr, EMPTY_LSE: gl.constexpr):
+                      HAS_RIGHT: gl.constexpr, EMPTY_LSE: gl.constexpr, GATHERED: gl.constexpr = False):
         """One warpgroup: query rows ``m0 + W * BLOCK_M / 2 ...`` against every key block of the program.
         Row i's out is at ``Out + o_base + i * stride_os`` (times ``out_scale``), its lse at ``Lse + l_base +
-        i * stride_ls``; a row that sees no key gets out 0 and lse ``EMPTY_LSE``."""
+        i * stride_ls``; a row that sees no key gets out 0 and lse ``EMPTY_LSE``. ``GATHERED``: K and V
+        arrive by cp.async (generic proxy), so a proxy fence follows each wait before wgmma reads them."""
         HALF: gl.constexpr = BLOCK_M // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -515,6 +516,8 @@ if HAVE_GLUON:
         mbarrier.wait(q_bar, 0)
         if n_blocks > 0:
             mbarrier.wait(k_ready.index(0), 0)
+            if GATHERED:
+                fence_async_shared()
             s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(0))
@@ -523,9 +526,13 @@ if HAVE_GLUON:
             for i in range(1, n_blocks):
                 ks = i % STAGES
                 mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
+                if GATHERED:
+                    fence_async_shared()
                 s_tok = warpgroup_mma(q, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 vs = (i - 1) % STAGES
                 mbarrier.wait(v_ready.index(vs), ((i - 1) // STAGES) & 1)
+                if GATHERED:
+                    fence_async_shared()
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc_tok = warpgroup_mma(p_op, v_bufs.index(vs), acc, is_async=True)
                 # the scores of block i are in (issued first); p_{i-1} @ V_{i-1} may still run under the
@@ -540,6 +547,8 @@ if HAVE_GLUON:
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             vs = (n_blocks - 1) % STAGES
             mbarrier.wait(v_ready.index(vs), ((n_blocks - 1) // STAGES) & 1)
+            if GATHERED:
+                fence_async_shared()
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc_tok = warpgroup_mma(p_op, v_bufs.index(vs), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))

@@ -52,6 +52,7 @@ from ._fwd import FP32_PRECISION, HAVE_GLUON, key_ranges, normalize, softmax_ste
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from ._fwd import _fa3_consumer, _tma_load
@@ -389,7 +390,11 @@ def _merge_states(VA, LseA, VB, LseB, Out, Lse, num_heads, stride_at, stride_ah,
 # BLOCK_N)`` rows, each landing in its rows of the block's buffer. The producer reads the page ids of the
 # next block into registers (every lane holds them all) while the current one is in flight. Rows past the
 # sequence's keys (page 0, or a page's unused slots; either may hold NaN) are zeroed in V as in the
-# forward, and masked by value in the scores. The consumers are ``_fwd._fa3_consumer`` unchanged.
+# forward, and masked by value in the scores. Pages under 8 rows cannot be boxes (a shared buffer is not
+# sliced inside its 8-row swizzle pattern) and uneven ones do not tile a block: there four producer warps
+# gather the rows with cp.async (masked rows read as 0) and each thread arrives on the block's barrier when
+# its copies land; the consumers then fence before their wgmma reads (``GATHERED``). The consumers are
+# ``_fwd._fa3_consumer``.
 
 if HAVE_GLUON:
 
@@ -480,15 +485,47 @@ if HAVE_GLUON:
             rows_k = _page_rows(PageTable, table_base, lo + (i + 1) * BLOCK_N, seqlen_k, PAGE_SIZE, SUB, NPG)
 
     @gluon.jit
-    def _paged_prefill_hopper(q_desc, k_desc, v_desc, Out, Lse, QoIndptr, KvIndptr, PageTable, LastPageLen, SeqlenK,
-                              stride_ot, stride_oh, stride_lt, stride_lh, stride_table, num_seqs, num_heads,
-                              head_group, qk_scale_log2, v_scale_value, window_left, HEAD_DIM: gl.constexpr,
+    def _gather_producer(q_desc, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, PageTable,
+                         table_base, q_row, q_col, kv_col, lo, n_blocks, seqlen_k, stride_kr, stride_vr,
+                         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                         PAGE_SIZE: gl.constexpr):
+        """Four warps: each key block's K and V rows gathered by cp.async through the page table (pages too
+        small or uneven for TMA boxes). Rows past the sequence's keys read as 0 (masked copies). Every
+        thread arrives on the block's barrier when its own copies land (``k_ready``/``v_ready`` count
+        128); K_i and V_i go out together, one page-table read per block."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, q_col], q_bar, q_smem)
+        cols = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout)), 0)
+        for i in range(n_blocks):
+            s = i % STAGES
+            phase = ((i // STAGES) & 1) ^ 1  # a fresh barrier's previous phase counts as complete
+            keys = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+            ok = keys < seqlen_k
+            pages = gl.load(PageTable + table_base + keys // PAGE_SIZE, mask=ok, other=0)
+            rows = gl.expand_dims(pages.to(gl.int64) * PAGE_SIZE + keys % PAGE_SIZE, 1)
+            mask = gl.expand_dims(ok, 1) & (cols < HEAD_DIM)
+            mbarrier.wait(k_empty.index(s), phase)
+            async_copy.async_copy_global_to_shared(k_bufs.index(s), K + (rows * stride_kr + kv_col) + cols, mask=mask)
+            async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
+            mbarrier.wait(v_empty.index(s), phase)
+            async_copy.async_copy_global_to_shared(v_bufs.index(s), V + (rows * stride_vr + kv_col) + cols, mask=mask)
+            async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
+
+    @gluon.jit
+    def _paged_prefill_hopper(q_desc, k_desc, v_desc, K, V, Out, Lse, QoIndptr, KvIndptr, PageTable, LastPageLen,
+                              SeqlenK, stride_kr, stride_vr, stride_ot, stride_oh, stride_lt, stride_lh, stride_table,
+                              num_seqs, num_heads, head_group, qk_scale_log2, v_scale_value, window_left,
+                              HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                               PAGE_SIZE: gl.constexpr, SEARCH_STEPS: gl.constexpr, TABLE_2D: gl.constexpr,
                               CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr):
         """out and lse of BLOCK_M queries of one (sequence, head) over a paged cache (``_paged_attn``'s
-        virtual query blocks, grid (virtual blocks, H)); q is a descriptor over ``[total_q, H * D]``."""
+        virtual query blocks, grid (virtual blocks, H)); q is a descriptor over ``[total_q, H * D]``. Page
+        sizes that are powers of two >= 8 load K/V by TMA boxes (``k_desc``/``v_desc``); others gather
+        rows of ``K``/``V`` (row strides ``stride_kr``/``stride_vr``) with cp.async."""
+        GATHER: gl.constexpr = (PAGE_SIZE < 8) | ((PAGE_SIZE & (PAGE_SIZE - 1)) != 0)
         # the last virtual blocks first: under a causal mask a sequence's last query blocks are its longest
         pid = gl.num_programs(0) - 1 - gl.program_id(0)
         h = gl.program_id(1)
@@ -531,26 +568,42 @@ if HAVE_GLUON:
         mbarrier.init(q_bar, count=1)
         mbarrier.init(v_fix, count=1)
         for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
+            # TMA: one expect-tx arrive; cp.async: one arrive per gathering thread
+            mbarrier.init(k_ready.index(i), count=128 if GATHER else 1)
+            mbarrier.init(v_ready.index(i), count=128 if GATHER else 1)
             # both consumer warpgroups release each block
             mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_empty.index(i), count=2)
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                             o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo, n_blocks,
-                             qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, CAUSAL,
-                             float("-inf"))),
-            (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                             o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo, n_blocks,
-                             qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, CAUSAL,
-                             float("-inf"))),
-            (_paged_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
-                               v_empty, v_fix, PageTable, table_base, start_q + m0, h * HEAD_DIM, hk * HEAD_DIM, lo,
-                               n_blocks, seqlen_k, BLOCK_N, STAGES, PAGE_SIZE)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if GATHER:
+            gl.warp_specialize([
+                (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
+                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 CAUSAL, float("-inf"), True)),
+                (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
+                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 CAUSAL, float("-inf"), True)),
+                (_gather_producer, (q_desc, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                                    PageTable, table_base, start_q + m0, h * HEAD_DIM, hk * HEAD_DIM, lo, n_blocks,
+                                    seqlen_k, stride_kr, stride_vr, HEAD_DIM, BLOCK_N, STAGES, PAGE_SIZE)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
+                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 CAUSAL, float("-inf"), False)),
+                (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
+                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
+                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 CAUSAL, float("-inf"), False)),
+                (_paged_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                                   v_empty, v_fix, PageTable, table_base, start_q + m0, h * HEAD_DIM, hk * HEAD_DIM,
+                                   lo, n_blocks, seqlen_k, BLOCK_N, STAGES, PAGE_SIZE)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 What aiter's ``mha_batch_prefill_func`` and FlashInfer's paged prefill/decode wrappers do, in one Triton
 kernel (``_paged_kernels.py``) built on the FlashAttention forward's online softmax and masks; on Hopper,
-prefill at page sizes that are powers of two >= 8 takes a Gluon kernel instead (the Gluon forward's
-consumers with a producer that loads each key block page by page, ``_hopper_prefill_applies``).
+prefill takes a Gluon kernel instead where ``_hopper_prefill_applies`` (the Gluon forward's consumers with
+a producer that loads each key block page by page: TMA boxes, or rows gathered by cp.async).
 
 Reading order: argument checks -> the launcher -> the torch.library op (it writes into ``out`` and
 ``lse``, so a caller's buffer is filled in place) -> the public functions.
@@ -256,9 +256,10 @@ def _page_descriptor(cache: torch.Tensor, block_n: int, pad: int):
 
 def _hopper_prefill_applies(q, k_cache, v_cache, cache: _Cache, scales, out, logits_soft_cap: float) -> bool:
     """Whether the Gluon prefill (``kern._paged_prefill_hopper``) takes this call: Hopper, a cache of q's
-    dtype (fp16/bf16) in the linear layout with heads contiguous and pages that flatten into rows, a page
-    size that is a power of two >= 8, head dim 128 or 256, no softcap and no device-side scales. Where it
-    does not, the Triton kernel runs (``kern.hopper_mode`` True raises instead: tests)."""
+    dtype (fp16/bf16) in the linear layout with heads contiguous and pages that flatten into rows, head dim
+    128 or 256, no softcap and no device-side scales (any page size: powers of two >= 8 load TMA boxes,
+    others gather rows). Where it does not, the Triton kernel runs (``kern.hopper_mode`` True raises
+    instead: tests)."""
     if kern.hopper_mode is False:
         return False
     head_dim = q.shape[-1]
@@ -271,8 +272,7 @@ def _hopper_prefill_applies(q, k_cache, v_cache, cache: _Cache, scales, out, log
 
     ok = (_fwd.HAVE_GLUON and not is_interpreter() and q.is_cuda and is_hopper(q.device)
           and q.dtype in (torch.float16, torch.bfloat16) and cache.dtype == q.dtype and not cache.vectorized
-          and head_dim in _fwd.HOPPER_FWD_CONFIGS and page >= 8 and page & (page - 1) == 0
-          and cache.num_pages * page <= INT32_MAX and logits_soft_cap == 0
+          and head_dim in _fwd.HOPPER_FWD_CONFIGS and cache.num_pages * page <= INT32_MAX and logits_soft_cap == 0
           and scales[0][2] == kern.SCALE_NONE and scales[1][2] == kern.SCALE_NONE
           and rows_ok(q, q.stride(0)) and out.stride(-1) == 1
           and all(rows_ok(t, t.stride(1)) and t.stride(0) == page * t.stride(1) for t in (k_cache, v_cache)))
@@ -439,16 +439,18 @@ def _launch_hopper(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, out
     cfg, grid, constants, ints = plan.hopper
     ensure_cuda_context(q.device.index)
     page = k_cache.shape[1]
-    sub = min(page, cfg.block_n)
+    # TMA boxes of one page (or one key block); gathered pages use the descriptors' shared layout only
+    sub = min(page, cfg.block_n) if page >= 8 and page & (page - 1) == 0 else cfg.block_n
     q_desc = _gluon_descriptor(q, q.shape[0], constants["BLOCK_M"], constants["BLOCK_M"])
     k_desc = _gluon_descriptor(k_cache, k_cache.shape[0] * page, sub, cfg.block_n)
     v_desc = _gluon_descriptor(v_cache, v_cache.shape[0] * page, sub, cfg.block_n)
     page_table = table["page_table"] if table["page_table"].numel() else q  # a stand-in that is never read
     stride_ot, stride_oh, stride_lt, stride_lh, stride_table, batch, num_heads, group = ints
     kern._paged_prefill_hopper[grid](
-        q_desc, k_desc, v_desc, out, lse, qo_indptr, table.get("kv_indptr", page_table), page_table,
-        table.get("last_page_len", page_table), table.get("seqlen_k", page_table), stride_ot, stride_oh, stride_lt,
-        stride_lh, stride_table, batch, num_heads, group, qk_scale_log2, v_value, window_left, **constants)
+        q_desc, k_desc, v_desc, k_cache, v_cache, out, lse, qo_indptr, table.get("kv_indptr", page_table), page_table,
+        table.get("last_page_len", page_table), table.get("seqlen_k", page_table), k_cache.stride(1),
+        v_cache.stride(1), stride_ot, stride_oh, stride_lt, stride_lh, stride_table, batch, num_heads, group,
+        qk_scale_log2, v_value, window_left, **constants)
 
 
 def _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,

@@ -409,6 +409,20 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 if HAVE_GLUON:
 
     @gluon.jit
+    def _zero_rows_past(buf, n0, seqlen_k, BLOCK_N: gl.constexpr):
+        """Zero the rows of a landed key block ``buf`` (keys ``n0 ...``) at or past ``seqlen_k``, 8 rows at a
+        time, then fence so that wgmma (the async proxy) sees the stores."""
+        CHUNK: gl.constexpr = 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+        for c in gl.static_range(BLOCK_N // CHUNK):
+            rows = n0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            part = buf.slice(c * CHUNK, CHUNK, dim=0)
+            x = part.load(layout)
+            x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
+            part.store(x)
+        fence_async_shared()
+
+    @gluon.jit
     def _fa3_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                       v_fix, q_row, q_col, kv_row, kv_col, lo, n_blocks, seqlen_k,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -436,16 +450,7 @@ if HAVE_GLUON:
                     mbarrier.expect(v_fix, v_desc.block_type.nbytes)
                     _tma_load(v_desc, [kv_row + n0, kv_col], v_fix, v_bufs.index(s))
                     mbarrier.wait(v_fix, 0)
-                    buf = v_bufs.index(s)
-                    CHUNK: gl.constexpr = 8
-                    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-                    for c in gl.static_range(BLOCK_N // CHUNK):
-                        rows = n0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-                        part = buf.slice(c * CHUNK, CHUNK, dim=0)
-                        x = part.load(layout)
-                        x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
-                        part.store(x)
-                    fence_async_shared()
+                    _zero_rows_past(v_bufs.index(s), n0, seqlen_k, BLOCK_N)
                     mbarrier.arrive(v_ready.index(s))
 
     @gluon.jit

@@ -55,7 +55,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-    from ._fwd import _fa3_consumer, _tma_load
+    from ._fwd import _fa3_consumer, _tma_load, _zero_rows_past
 
 SCALE_NONE = 0
 SCALE_TENSOR = 1
@@ -400,7 +400,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _find_sequence_gl(QoIndptr, pid, num_seqs, QT: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-        """``_find_sequence`` for Gluon kernels."""
+        """``_find_sequence`` for Gluon kernels (which cannot call ``triton.jit`` functions)."""
         lo = pid * 0
         count = num_seqs + lo
         for _ in gl.static_range(SEARCH_STEPS):
@@ -470,16 +470,7 @@ if HAVE_GLUON:
                         _tma_load(v_desc, [_pick(rows_v, c, NPG), kv_col], v_fix,
                                   v_bufs.index(s).slice(c * SUB, SUB, dim=0))
                     mbarrier.wait(v_fix, 0)
-                    buf = v_bufs.index(s)
-                    CHUNK: gl.constexpr = 8
-                    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-                    for c in gl.static_range(BLOCK_N // CHUNK):
-                        rows = n0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-                        part = buf.slice(c * CHUNK, CHUNK, dim=0)
-                        x = part.load(layout)
-                        x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
-                        part.store(x)
-                    fence_async_shared()
+                    _zero_rows_past(v_bufs.index(s), n0, seqlen_k, BLOCK_N)
                     mbarrier.arrive(v_ready.index(s))
             rows_v = rows_k
             rows_k = _page_rows(PageTable, table_base, lo + (i + 1) * BLOCK_N, seqlen_k, PAGE_SIZE, SUB, NPG)

@@ -27,6 +27,7 @@ backward and ``dropout_keep_mask`` draw the same mask whatever the tile sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -482,6 +483,14 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def _wait_ready(bar, phase, GATHERED: gl.constexpr):
+        """Wait for a K or V block; blocks written by cp.async (generic proxy) also need a proxy fence
+        before wgmma (the async proxy) reads them."""
+        mbarrier.wait(bar, phase)
+        if GATHERED:
+            fence_async_shared()
+
+    @gluon.jit
     def _fa3_consumer(W: gl.constexpr, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                       Out, Lse, o_base, l_base, stride_os, stride_ls, out_scale, m0, seqlen_q, seqlen_k, lo,
                       n_blocks, qk_scale_log2, window_left, window_right, HEAD_DIM: gl.constexpr,
@@ -520,9 +529,7 @@ if HAVE_GLUON:
         zero_s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(q_bar, 0)
         if n_blocks > 0:
-            mbarrier.wait(k_ready.index(0), 0)
-            if GATHERED:
-                fence_async_shared()
+            _wait_ready(k_ready.index(0), 0, GATHERED)
             s_tok = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=(s_tok,))
             mbarrier.arrive(k_empty.index(0))
@@ -530,14 +537,10 @@ if HAVE_GLUON:
                                               window_right, mid_lo, mid_hi, HAS_LEFT, HAS_RIGHT, BLOCK_N)
             for i in range(1, n_blocks):
                 ks = i % STAGES
-                mbarrier.wait(k_ready.index(ks), (i // STAGES) & 1)
-                if GATHERED:
-                    fence_async_shared()
+                _wait_ready(k_ready.index(ks), (i // STAGES) & 1, GATHERED)
                 s_tok = warpgroup_mma(q, k_bufs.index(ks).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 vs = (i - 1) % STAGES
-                mbarrier.wait(v_ready.index(vs), ((i - 1) // STAGES) & 1)
-                if GATHERED:
-                    fence_async_shared()
+                _wait_ready(v_ready.index(vs), ((i - 1) // STAGES) & 1, GATHERED)
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc_tok = warpgroup_mma(p_op, v_bufs.index(vs), acc, is_async=True)
                 # the scores of block i are in (issued first); p_{i-1} @ V_{i-1} may still run under the
@@ -551,9 +554,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(v_empty.index(vs))
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
             vs = (n_blocks - 1) % STAGES
-            mbarrier.wait(v_ready.index(vs), ((n_blocks - 1) // STAGES) & 1)
-            if GATHERED:
-                fence_async_shared()
+            _wait_ready(v_ready.index(vs), ((n_blocks - 1) // STAGES) & 1, GATHERED)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc_tok = warpgroup_mma(p_op, v_bufs.index(vs), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc_tok,))
@@ -570,6 +571,47 @@ if HAVE_GLUON:
         empty_s = l_i == 0.0
         lse = gl.where(empty_s, EMPTY_LSE, (m_i + gl.log2(gl.where(empty_s, 1.0, l_i))) * 0.6931471805599453)
         gl.store(Lse + l_base + q_pos.to(gl.int64) * stride_ls, lse, mask=q_pos < seqlen_q)
+
+    @gluon.jit
+    def _fa3_key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+        """(lo, n_blocks): the key blocks ``[lo, lo + n_blocks * BLOCK_N)`` that any of the query rows
+        ``m0 ...`` may see (``key_ranges``' outer bounds; bottom-right aligned); none past the queries."""
+        diag = seqlen_k - seqlen_q
+        lo = m0 * 0
+        hi = seqlen_k
+        if HAS_LEFT:
+            lo = (gl.maximum(m0 + diag - window_left, 0) // BLOCK_N) * BLOCK_N
+        if HAS_RIGHT:
+            hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + diag + window_right, 0))
+        n_blocks = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 0)
+        return lo, gl.where(m0 < seqlen_q, n_blocks, 0)
+
+    @gluon.jit
+    def _fa3_buffers(q_desc, kv_desc, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     READY_COUNT: gl.constexpr):
+        """Shared memory and barriers of the schedule: q, the K and V rings (``kv_desc``'s layout), and their
+        barriers, initialised (``READY_COUNT`` arrivals complete a ready barrier: 1 for TMA's expect-tx,
+        one per thread for cp.async; both consumer warpgroups release each block)."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        v_fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(v_fix, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=READY_COUNT)
+            mbarrier.init(v_ready.index(i), count=READY_COUNT)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        fence_async_shared()
+        return q_smem, k_bufs, v_bufs, q_bar, v_fix, k_ready, k_empty, v_ready, v_empty
 
     @gluon.jit
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, Out, Lse, CuSeqlensQ, CuSeqlensK, stride_ob, stride_os, stride_oh,
@@ -597,16 +639,8 @@ if HAVE_GLUON:
             start_q = b * seqlen_q_batch
             start_k = b * seqlen_k_batch
         m0 = pid_m * BLOCK_M
-        # key blocks [lo, hi) any of the rows may see (key_ranges)
-        diag = seqlen_k - seqlen_q
-        lo = m0 * 0
-        hi = seqlen_k
-        if HAS_LEFT:
-            lo = (gl.maximum(m0 + diag - window_left, 0) // BLOCK_N) * BLOCK_N
-        if HAS_RIGHT:
-            hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + diag + window_right, 0))
-        n_blocks = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 0)
-        n_blocks = gl.where(m0 < seqlen_q, n_blocks, 0)
+        lo, n_blocks = _fa3_key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                                       HAS_RIGHT)
         if IS_VARLEN:
             o_base = h.to(gl.int64) * stride_oh + start_q.to(gl.int64) * stride_os
             l_base = h.to(gl.int64) * stride_lh + start_q.to(gl.int64)
@@ -614,25 +648,8 @@ if HAVE_GLUON:
             o_base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
             l_base = b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
 
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        v_fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(v_fix, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            # both consumer warpgroups release each block
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-        fence_async_shared()
+        q_smem, k_bufs, v_bufs, q_bar, v_fix, k_ready, k_empty, v_ready, v_empty = _fa3_buffers(
+            q_desc, k_desc, HEAD_DIM, BLOCK_N, STAGES, 1)
 
         gl.warp_specialize([
             (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
@@ -664,8 +681,9 @@ class FwdConfig:
 # Hopper, keyed by (padded head dim, causal); chosen by sweeps on an H100 (bf16, S 2048-4096, TMA
 # loads, 2026-11-22, benchmarks/NOTES.md). D 128: 64x64/4 warps 500-573 TFLOP/s non-causal, 447-465
 # causal (128x128/8: 496 and 428); D 64: 64x128/4 402 (128x64/8 378); D 256: 128x64/8/3 stages 519
-# (2 stages 409), causal 64x32/4/3 470 (128x64/8/3 436). Without TMA, D 256 fits only 2 stages (``fwd_config``). Triton 3.6's automatic warp
-# specialization of the key loop fails to compile at 4 warps and is slower at 8 (493 vs 573).
+# (2 stages 409), causal 64x32/4/3 470 (128x64/8/3 436). Without TMA, D 256 fits only 2 stages
+# (``fwd_config``). Triton 3.6's automatic warp specialization of the key loop fails to compile at 4 warps
+# and is slower at 8 (493 vs 573).
 FWD_CONFIGS = {
     (16, False): FwdConfig(64, 64, 4, 3), (16, True): FwdConfig(64, 64, 4, 3),
     (32, False): FwdConfig(64, 64, 4, 3), (32, True): FwdConfig(64, 64, 4, 3),
@@ -720,14 +738,21 @@ def hopper_kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pro
     return ok
 
 
-def _hopper_descriptor(t: torch.Tensor, varlen: bool, block_rows: int):
-    """A Gluon tensor descriptor over ``t`` as ``[rows, H * D]``, block ``[block_rows, D]``."""
+@functools.lru_cache(maxsize=None)
+def _nvmma_layout(rows: int, dim: int, dtype: torch.dtype):
+    """The shared layout of a ``[rows, dim]`` fp16/bf16 buffer (cached: ~5 us each on the host)."""
+    elem = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([rows, dim], elem)
+
+
+def hopper_descriptor(t: torch.Tensor, rows: int, block_rows: int, layout_rows: int | None = None):
+    """A Gluon tensor descriptor over ``t`` as ``[rows, H * D]`` (row stride ``t.stride(-3)``), block
+    ``[block_rows, D]``, with the shared layout of a ``[layout_rows, D]`` buffer (default ``block_rows``;
+    the paged prefill's page boxes land in row slices of a whole key block's buffer)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
-    rows = t.shape[0] if varlen else t.shape[0] * t.shape[1]
     heads, dim = t.shape[-2], t.shape[-1]
-    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], elem)
+    layout = _nvmma_layout(layout_rows or block_rows, dim, t.dtype)
     return GluonDescriptor(t, [rows, heads * dim], [t.stride(-3), 1], [block_rows, dim], layout)
 
 
@@ -738,9 +763,10 @@ def _forward_hopper(q, k, v, out, lse, prob: "Problem") -> None:
     if grid[0] == 0:
         return
     ensure_cuda_context(q.device.index)
-    q_desc = _hopper_descriptor(q, varlen, HOPPER_BLOCK_M)
-    k_desc = _hopper_descriptor(k, varlen, cfg.block_n)
-    v_desc = _hopper_descriptor(v, varlen, cfg.block_n)
+    q_rows, kv_rows = (q.shape[0], k.shape[0]) if varlen else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
+    q_desc = hopper_descriptor(q, q_rows, HOPPER_BLOCK_M)
+    k_desc = hopper_descriptor(k, kv_rows, cfg.block_n)
+    v_desc = hopper_descriptor(v, kv_rows, cfg.block_n)
     cu_q, cu_k, _, _ = prob.pointers(lse)
     qk_scale_log2, _, _, window_left, window_right, _ = prob.scalars()
     stride_ob, stride_os, stride_oh = seq_strides(out, varlen)

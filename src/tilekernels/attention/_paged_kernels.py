@@ -53,9 +53,9 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    from ._fwd import _fa3_consumer, _tma_load, _zero_rows_past
+    from ._fwd import _fa3_buffers, _fa3_consumer, _fa3_key_blocks, _tma_load, _zero_rows_past
 
 SCALE_NONE = 0
 SCALE_TENSOR = 1
@@ -504,19 +504,34 @@ if HAVE_GLUON:
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
 
     @gluon.jit
+    def _paged_loads(q_desc, k_desc, v_desc, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                     v_fix, PageTable, table_base, q_row, q_col, kv_col, lo, n_blocks, seqlen_k, stride_kr, stride_vr,
+                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                     GATHER: gl.constexpr):
+        """The producer partition: ``_gather_producer`` with ``GATHER``, else ``_paged_producer``."""
+        if GATHER:
+            _gather_producer(q_desc, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
+                             PageTable, table_base, q_row, q_col, kv_col, lo, n_blocks, seqlen_k, stride_kr,
+                             stride_vr, HEAD_DIM, BLOCK_N, STAGES, PAGE_SIZE)
+        else:
+            _paged_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                            v_empty, v_fix, PageTable, table_base, q_row, q_col, kv_col, lo, n_blocks, seqlen_k,
+                            BLOCK_N, STAGES, PAGE_SIZE)
+
+    @gluon.jit
     def _paged_prefill_hopper(q_desc, k_desc, v_desc, K, V, Out, Lse, QoIndptr, KvIndptr, PageTable, LastPageLen,
                               SeqlenK, stride_kr, stride_vr, stride_ot, stride_oh, stride_lt, stride_lh, stride_table,
                               num_seqs, num_heads, head_group, qk_scale_log2, v_scale_value, window_left,
                               HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              PAGE_SIZE: gl.constexpr, SEARCH_STEPS: gl.constexpr, TABLE_2D: gl.constexpr,
+                              PAGE_SIZE: gl.constexpr, GATHER: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                              TABLE_2D: gl.constexpr,
                               CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr):
         """out and lse of BLOCK_M queries of one (sequence, head) over a paged cache (``_paged_attn``'s
-        virtual query blocks, grid (virtual blocks, H)); q is a descriptor over ``[total_q, H * D]``. Page
-        sizes that are powers of two >= 8 load K/V by TMA boxes (``k_desc``/``v_desc``); others gather
-        rows of ``K``/``V`` (row strides ``stride_kr``/``stride_vr``) with cp.async."""
-        GATHER: gl.constexpr = (PAGE_SIZE < 8) | ((PAGE_SIZE & (PAGE_SIZE - 1)) != 0)
+        virtual query blocks, grid (virtual blocks, H)); q is a descriptor over ``[total_q, H * D]``. K/V
+        blocks arrive as TMA boxes (``k_desc``/``v_desc``: page sizes that are powers of two >= 8) or,
+        with ``GATHER``, as rows of ``K``/``V`` (row strides ``stride_kr``/``stride_vr``) copied by cp.async."""
         # the last virtual blocks first: under a causal mask a sequence's last query blocks are its longest
         pid = gl.num_programs(0) - 1 - gl.program_id(0)
         h = gl.program_id(1)
@@ -533,68 +548,28 @@ if HAVE_GLUON:
             num_pages = gl.load(KvIndptr + b + 1) - first_page
             table_base = first_page.to(gl.int64)
             seqlen_k = gl.where(num_pages > 0, (num_pages - 1) * PAGE_SIZE + gl.load(LastPageLen + b), 0)
-        # key blocks [lo, hi) any of the rows may see (bottom-right aligned, as the forward)
-        diag = seqlen_k - qo_len
-        lo = m0 * 0
-        hi = seqlen_k
-        if HAS_LEFT:
-            lo = (gl.maximum(m0 + diag - window_left, 0) // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            hi = gl.minimum(hi, gl.maximum(m0 + BLOCK_M + diag, 0))
-        n_blocks = gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 0)
-        n_blocks = gl.where((m0 >= 0) & (m0 < qo_len), n_blocks, 0)
+        lo, n_blocks = _fa3_key_blocks(m0, qo_len, seqlen_k, window_left, 0, BLOCK_M, BLOCK_N, HAS_LEFT, CAUSAL)
         o_base = start_q.to(gl.int64) * stride_ot + h.to(gl.int64) * stride_oh
         l_base = start_q.to(gl.int64) * stride_lt + h.to(gl.int64) * stride_lh
 
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        v_fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        mbarrier.init(v_fix, count=1)
-        for i in gl.static_range(STAGES):
-            # TMA: one expect-tx arrive; cp.async: one arrive per gathering thread
-            mbarrier.init(k_ready.index(i), count=128 if GATHER else 1)
-            mbarrier.init(v_ready.index(i), count=128 if GATHER else 1)
-            # both consumer warpgroups release each block
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-        fence_async_shared()
+        q_smem, k_bufs, v_bufs, q_bar, v_fix, k_ready, k_empty, v_ready, v_empty = _fa3_buffers(
+            q_desc, k_desc, HEAD_DIM, BLOCK_N, STAGES, 128 if GATHER else 1)
 
-        if GATHER:
-            gl.warp_specialize([
-                (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
-                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 CAUSAL, float("-inf"), True)),
-                (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
-                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 CAUSAL, float("-inf"), True)),
-                (_gather_producer, (q_desc, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
-                                    PageTable, table_base, start_q + m0, h * HEAD_DIM, hk * HEAD_DIM, lo, n_blocks,
-                                    seqlen_k, stride_kr, stride_vr, HEAD_DIM, BLOCK_N, STAGES, PAGE_SIZE)),
-            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
-        else:
-            gl.warp_specialize([
-                (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
-                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 CAUSAL, float("-inf"), False)),
-                (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse,
-                                 o_base, l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo,
-                                 n_blocks, qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 CAUSAL, float("-inf"), False)),
-                (_paged_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
-                                   v_empty, v_fix, PageTable, table_base, start_q + m0, h * HEAD_DIM, hk * HEAD_DIM,
-                                   lo, n_blocks, seqlen_k, BLOCK_N, STAGES, PAGE_SIZE)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        # the gathering producer is four warps, the TMA one a single warp
+        PRODUCER_WARPS: gl.constexpr = 4 if GATHER else 1
+        gl.warp_specialize([
+            (_fa3_consumer, (0, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse, o_base,
+                             l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo, n_blocks,
+                             qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, CAUSAL,
+                             float("-inf"), GATHER)),
+            (_fa3_consumer, (1, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty, Out, Lse, o_base,
+                             l_base, stride_ot, stride_lt, v_scale_value, m0, qo_len, seqlen_k, lo, n_blocks,
+                             qk_scale_log2, window_left, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, CAUSAL,
+                             float("-inf"), GATHER)),
+            (_paged_loads, (q_desc, k_desc, v_desc, K, V, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready,
+                            v_empty, v_fix, PageTable, table_base, start_q + m0, h * HEAD_DIM, hk * HEAD_DIM, lo,
+                            n_blocks, seqlen_k, stride_kr, stride_vr, HEAD_DIM, BLOCK_N, STAGES, PAGE_SIZE, GATHER)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------

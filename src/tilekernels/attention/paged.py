@@ -281,18 +281,6 @@ def _hopper_prefill_applies(q, k_cache, v_cache, cache: _Cache, scales, out, log
     return ok
 
 
-def _gluon_descriptor(t: torch.Tensor, rows: int, block_rows: int, layout_rows: int):
-    """A Gluon descriptor over ``t`` as ``[rows, H * D]`` (row stride ``t.stride(-3)``), block ``[block_rows,
-    D]``, with the shared layout of a ``[layout_rows, D]`` buffer (boxes land in row slices of one)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    heads, dim = t.shape[-2], t.shape[-1]
-    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([layout_rows, dim], elem)
-    return GluonDescriptor(t, [rows, heads * dim], [t.stride(-3), 1], [block_rows, dim], layout)
-
-
 class _Plan:
     """Everything about one paged-attention launch that its signature fixes (shapes, strides, dtypes,
     alignments, options): worked out and checked once, then reused by every call with that signature,
@@ -326,6 +314,8 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
     batch = total_q if decode else qo_indptr.shape[0] - 1
     (_, _, k_mode), (_, _, v_mode) = scales
     group = num_heads // cache.kv_heads
+    if not decode and _hopper_prefill_applies(q, k_cache, v_cache, cache, scales, out, logits_soft_cap):
+        return _make_hopper_plan(q, batch, table, cache, scales, out, causal, window_left)
     pad = head_dim_pad(head_dim)
     cfg = kern.paged_config(pad, decode, _use_tma(cache, k_cache, v_cache, 64), k_cache.element_size(),
                             causal and not decode, total_q / max(batch, 1))
@@ -350,20 +340,6 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
     plan.num_splits = num_splits
     plan.scale_modes = (k_mode, v_mode)
     plan.hopper = None
-    if not decode and _hopper_prefill_applies(q, k_cache, v_cache, cache, scales, out, logits_soft_cap):
-        hcfg = _fwd.HOPPER_FWD_CONFIGS[head_dim]
-        block_m = _fwd.HOPPER_BLOCK_M
-        page_table = table["page_table"]
-        plan.hopper = (hcfg, (total_q // block_m + batch, num_heads), dict(
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=hcfg.block_n, STAGES=hcfg.stages,
-            PAGE_SIZE=cache.page_size, SEARCH_STEPS=max(1, batch.bit_length()), TABLE_2D=table["table_2d"],
-            CAUSAL=causal, HAS_LEFT=window_left >= 0, CONSUMER_REGS=hcfg.consumer_regs,
-            PRODUCER_REGS=hcfg.producer_regs, num_warps=4),
-            (out.stride(0), out.stride(1), num_heads, 1,
-             page_table.stride(0) if table["table_2d"] and page_table.numel() else 0, batch, num_heads, group))
-        plan.attn = plan.merge = plan.part_shapes = plan.k_desc = plan.v_desc = plan.ints = None
-        plan.use_tma = True
-        return plan
     l_strides = (num_heads, 1)   # lse and the partial lse are [.., total_q, H], contiguous
     if num_splits > 1:
         plan.part_shapes = ((num_splits, *q.shape), (num_splits, total_q, num_heads))
@@ -395,6 +371,33 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
         block_h = min(16, 1 << (num_heads - 1).bit_length())
         plan.merge = CachedLaunch(kern._merge_splits, (total_q, cdiv(num_heads, block_h)), dict(
             HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_H=block_h, NUM_SPLITS=num_splits))
+    return plan
+
+
+def _make_hopper_plan(q, batch: int, table: dict, cache: _Cache, scales, out, causal: bool, window_left: int
+                      ) -> _Plan:
+    """The plan of a Gluon prefill (``_hopper_prefill_applies``): its config is the contiguous forward's."""
+    total_q, num_heads, head_dim = q.shape
+    cfg = _fwd.HOPPER_FWD_CONFIGS[head_dim]
+    page = cache.page_size
+    # pages that are powers of two >= 8 arrive as TMA boxes of one page (or one key block); others are
+    # gathered by cp.async, and their descriptors serve only for the shared layout
+    gather = page < 8 or page & (page - 1) != 0
+    page_table = table["page_table"]
+    plan = _Plan()
+    plan.num_splits = 1
+    plan.scale_modes = (scales[0][2], scales[1][2])
+    plan.attn = plan.merge = plan.part_shapes = plan.k_desc = plan.v_desc = plan.ints = None
+    plan.use_tma = False  # the Triton kernel's TMA path; the Gluon kernel has its own descriptors
+    plan.hopper = (cfg, cfg.block_n if gather else min(page, cfg.block_n),
+                   (total_q // _fwd.HOPPER_BLOCK_M + batch, num_heads),
+                   dict(HEAD_DIM=head_dim, BLOCK_M=_fwd.HOPPER_BLOCK_M, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                        PAGE_SIZE=page, GATHER=gather, SEARCH_STEPS=max(1, batch.bit_length()),
+                        TABLE_2D=table["table_2d"], CAUSAL=causal, HAS_LEFT=window_left >= 0,
+                        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4),
+                   (out.stride(0), out.stride(1), num_heads, 1,
+                    page_table.stride(0) if table["table_2d"] and page_table.numel() else 0, batch, num_heads,
+                    num_heads // cache.kv_heads))
     return plan
 
 
@@ -436,14 +439,12 @@ def _launch(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, scales, ou
 def _launch_hopper(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, out, lse, qk_scale_log2: float,
                    v_value: float, window_left: int) -> None:
     """One call of the Gluon prefill: descriptors over this call's tensors, then the launch."""
-    cfg, grid, constants, ints = plan.hopper
+    cfg, box_rows, grid, constants, ints = plan.hopper
     ensure_cuda_context(q.device.index)
-    page = k_cache.shape[1]
-    # TMA boxes of one page (or one key block); gathered pages use the descriptors' shared layout only
-    sub = min(page, cfg.block_n) if page >= 8 and page & (page - 1) == 0 else cfg.block_n
-    q_desc = _gluon_descriptor(q, q.shape[0], constants["BLOCK_M"], constants["BLOCK_M"])
-    k_desc = _gluon_descriptor(k_cache, k_cache.shape[0] * page, sub, cfg.block_n)
-    v_desc = _gluon_descriptor(v_cache, v_cache.shape[0] * page, sub, cfg.block_n)
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    q_desc = _fwd.hopper_descriptor(q, q.shape[0], constants["BLOCK_M"])
+    k_desc = _fwd.hopper_descriptor(k_cache, rows, box_rows, cfg.block_n)
+    v_desc = _fwd.hopper_descriptor(v_cache, rows, box_rows, cfg.block_n)
     page_table = table["page_table"] if table["page_table"].numel() else q  # a stand-in that is never read
     stride_ot, stride_oh, stride_lt, stride_lh, stride_table, batch, num_heads, group = ints
     kern._paged_prefill_hopper[grid](
@@ -588,7 +589,8 @@ def batch_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr=None, kv_page_indice
 
     Not checked per element, because that would read the device (a host sync, and no graph capture):
     page indices within ``[0, num_pages)``, ``kv_last_page_len`` in ``1..page_size``, ``seqlen_k[b]``
-    within its table row, monotone offsets, ``qo_indptr[-1] == total_q`` (rows past it are not written).
+    within its table row, monotone offsets, ``qo_indptr[0] == 0``, ``qo_indptr[-1] == total_q`` (rows past it
+    are not written).
     Out-of-range values read other memory or fault. Addresses are 64-bit in the page index, so caches
     past 4 GB are exact.
     """

@@ -57,6 +57,9 @@ if HAVE_GLUON:
 
     from ._fwd import _fa3_buffers, _fa3_consumer, _fa3_key_blocks, _tma_load, _zero_rows_past
 
+    # triton 3.9 renamed the cp.async copy (the old name raises there); 3.6 has only the old one
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 SCALE_NONE = 0
 SCALE_TENSOR = 1
 SCALE_PAGE = 2
@@ -497,10 +500,10 @@ if HAVE_GLUON:
             rows = gl.expand_dims(pages.to(gl.int64) * PAGE_SIZE + keys % PAGE_SIZE, 1)
             mask = gl.expand_dims(ok, 1) & (cols < HEAD_DIM)
             mbarrier.wait(k_empty.index(s), phase)
-            async_copy.async_copy_global_to_shared(k_bufs.index(s), K + (rows * stride_kr + kv_col) + cols, mask=mask)
+            _async_load(k_bufs.index(s), K + (rows * stride_kr + kv_col) + cols, mask=mask)
             async_copy.mbarrier_arrive(k_ready.index(s), increment_count=False)
             mbarrier.wait(v_empty.index(s), phase)
-            async_copy.async_copy_global_to_shared(v_bufs.index(s), V + (rows * stride_vr + kv_col) + cols, mask=mask)
+            _async_load(v_bufs.index(s), V + (rows * stride_vr + kv_col) + cols, mask=mask)
             async_copy.mbarrier_arrive(v_ready.index(s), increment_count=False)
 
     @gluon.jit

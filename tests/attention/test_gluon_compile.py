@@ -1,7 +1,7 @@
-"""The Gluon kernels (the Hopper forward and paged prefill) compile for sm_90, on any machine.
+"""The Gluon kernels (the Hopper forward, backward and paged prefill) compile for sm_90, on any machine.
 
 The interpreter cannot run Gluon, so these kernels' numerics are tested in the GPU lane only
-(``test_fmha_hopper.py``, ``test_paged_hopper.py``). What the CPU lane can catch is a kernel that no longer
+(``test_fmha_hopper.py``, ``test_fmha_bwd_hopper.py``, ``test_paged_hopper.py``). What the CPU lane can catch is a kernel that no longer
 compiles with the installed triton (the project supports 3.6 and 3.9, whose Gluon APIs differ): each case
 builds its launch's descriptors with the host helper and compiles to an sm_90 cubin. The compiling runs
 in one child process without ``TRITON_INTERPRET`` (under the interpreter triton hands back interpreted
@@ -20,6 +20,7 @@ import sys
 import pytest
 
 FORWARD_CASES = {"fwd-D128-causal": (128, True), "fwd-D256-full": (256, False)}
+BACKWARD_CASES = {"bwd-D128-causal": (128, True), "bwd-D64-full": (64, False)}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
 
 
@@ -69,6 +70,32 @@ def _compile_forward(head_dim: int, causal: bool):
         HAS_LEFT=False, HAS_RIGHT=causal, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs))
 
 
+def _compile_backward(head_dim: int, causal: bool):
+    import torch
+
+    from tilekernels.attention import _bwd, _fwd
+
+    cfg = _bwd.HOPPER_BWD_CONFIGS.get((head_dim, causal), _bwd.HopperBwdConfig(64, 2))
+    rows, heads = 512, 4
+    qkv = torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)
+    lse = torch.empty(heads, rows)
+    args = dict(q_desc=_fwd.hopper_descriptor(qkv, rows, cfg.block_m),
+                k_desc=_fwd.hopper_descriptor(qkv, rows, _bwd.HOPPER_BWD_BLOCK_N),
+                v_desc=_fwd.hopper_descriptor(qkv, rows, _bwd.HOPPER_BWD_BLOCK_N),
+                do_desc=_fwd.hopper_descriptor(qkv, rows, cfg.block_m),
+                dq_desc=_fwd.hopper_descriptor(torch.empty(rows, heads, head_dim), rows, cfg.block_m),
+                DK=qkv, DV=qkv, Lse=lse, Delta=lse,
+                CuSeqlensQ=torch.zeros(3, dtype=torch.int32), CuSeqlensK=torch.zeros(3, dtype=torch.int32),
+                stride_dkb=0, stride_dks=heads * head_dim, stride_dkh=head_dim, stride_dvb=0,
+                stride_dvs=heads * head_dim, stride_dvh=head_dim, stride_lb=0,
+                stride_lh=rows, seqlen_q_batch=0, seqlen_k_batch=0, num_kv_heads=2, head_group=2,
+                qk_scale_log2=0.1, scale=0.1, window_left=-1, window_right=0 if causal else -1)
+    return _compile_sm90(_bwd._attn_bwd_hopper, args, dict(
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=_bwd.HOPPER_BWD_BLOCK_N, STAGES=cfg.stages,
+        IS_VARLEN=True, HAS_LEFT=False, HAS_RIGHT=causal, CONSUMER_REGS=cfg.consumer_regs,
+        WORKER_REGS=cfg.worker_regs))
+
+
 def _compile_paged(page_size: int):
     import torch
 
@@ -104,6 +131,7 @@ def _main() -> None:
         print(json.dumps({"skip": "this triton has no Gluon"}))
         return
     jobs = {**{name: (_compile_forward, case) for name, case in FORWARD_CASES.items()},
+            **{name: (_compile_backward, case) for name, case in BACKWARD_CASES.items()},
             **{name: (_compile_paged, (page,)) for name, page in PAGED_CASES.items()}}
     results = {}
     for name, (build, case) in jobs.items():
@@ -131,7 +159,7 @@ def compiled(tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("case", [*FORWARD_CASES, *PAGED_CASES])
+@pytest.mark.parametrize("case", [*FORWARD_CASES, *BACKWARD_CASES, *PAGED_CASES])
 def test_gluon_kernel_compiles_for_sm90(case, compiled):
     assert compiled[case] == "ok", f"{case}: {compiled[case]}"
 

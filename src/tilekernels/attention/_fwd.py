@@ -740,8 +740,8 @@ def hopper_kernel_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pro
 
 @functools.lru_cache(maxsize=None)
 def _nvmma_layout(rows: int, dim: int, dtype: torch.dtype):
-    """The shared layout of a ``[rows, dim]`` fp16/bf16 buffer (cached: ~5 us each on the host)."""
-    elem = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    """The shared layout of a ``[rows, dim]`` fp16/bf16/fp32 buffer (cached: ~5 us each on the host)."""
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for([rows, dim], elem)
 
 

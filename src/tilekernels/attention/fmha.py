@@ -131,8 +131,9 @@ def _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropo
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
             cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
             softmax_scale: float, window_left: int, window_right: int, softcap: float,
-            alibi_slopes: Optional[torch.Tensor], seed_offset: Optional[torch.Tensor]
+            alibi_slopes: Optional[torch.Tensor], seed_offset: Optional[torch.Tensor], deterministic: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
+    # ``deterministic`` only travels to the backward (autograd's context keeps the forward's inputs)
     prob = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                     window_left, window_right, softcap, alibi_slopes, seed_offset)
     return _fwd.forward(q, k, v, prob)
@@ -149,10 +150,11 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             lse: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, window_left: int,
             window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-            seed_offset: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            seed_offset: Optional[torch.Tensor], deterministic: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     prob = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                     window_left, window_right, softcap, alibi_slopes, seed_offset)
-    return _bwd.backward(_last_dim_contiguous(dout), q, k, v, out, lse, prob)
+    return _bwd.backward(_last_dim_contiguous(dout), q, k, v, out, lse, prob, deterministic)
 
 
 @_bwd_op.register_fake
@@ -170,14 +172,16 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed_offset)
     ctx.scalars = inputs[5:12]
+    ctx.deterministic = inputs[14]
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed_offset = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap = ctx.scalars
     dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         dropout_p, softmax_scale, window_left, window_right, softcap, alibi_slopes, seed_offset)
-    return (dq, dk, dv) + (None,) * 11
+                         dropout_p, softmax_scale, window_left, window_right, softcap, alibi_slopes, seed_offset,
+                         ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 12
 
 
 torch.library.register_autograd("tilekernels::flash_attn_fwd", _backward, setup_context=_setup_context)
@@ -206,7 +210,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     out, lse = _fwd_op(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_seqlens_q,
                        cu_seqlens_k, int(max_seqlen_q or 0), int(max_seqlen_k or 0), float(dropout_p),
                        float(softmax_scale), int(window_left), int(window_right), float(softcap), alibi_slopes,
-                       seed_offset)
+                       seed_offset, deterministic)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -226,8 +230,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
       LSE includes it; FA2's causal kernel adds ``slope * j`` instead, which changes only the LSE).
     - ``dropout_p``: dropout on the attention probabilities, drawn by Philox from a seed that torch's
       generator draws on the device (``torch.manual_seed`` reproduces it).
-    - ``deterministic``: accepted for compatibility; the backward never uses atomics, so gradients are
-      bit-identical run to run either way.
+    - ``deterministic``: ``True`` gives bit-identical gradients run to run (two kernels, no atomics). The
+      default ``False`` lets Hopper (fp16/bf16, head dim 128, or 64 with a causal or windowed mask; no
+      softcap, ALiBi or dropout) take one fused kernel that sums dq in fp32 with TMA reduce-adds: dq may
+      then differ in the last bits between runs.
 
     Example::
 

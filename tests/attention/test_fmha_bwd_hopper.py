@@ -1,0 +1,119 @@
+"""The fused Gluon backward for Hopper (``_bwd._attn_bwd_hopper``) against the fp64 reference.
+
+GPU lane only (``-m gpu``; sm_90, and the interpreter does not run Gluon). Every test forces the kernel
+(``_bwd.hopper_mode = True``, which raises where it does not apply, so no case silently runs the
+two-kernel backward): batch and varlen modes, head dims 64 and 128, fp16 and bf16, causal masks with
+seqlen_q above and below seqlen_k, sliding windows, GQA/MQA, lengths that are not multiples of the
+tiles (1, 0, 33, 1000, ...). The forward is whichever kernel applies.
+
+Key and query blocks cut by a sequence's end read the next sequence's rows (or padding) through TMA;
+the producer zeroes them. Two tests put NaN there and require it not to reach real rows' gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilekernels as tk
+from tilekernels.attention import _bwd
+from tilekernels.testing import random_tensor
+
+from test_fmha import GPU_VARLEN_LENGTHS, batch_case, check_case, varlen_case
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def hopper(device, monkeypatch):
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the Gluon backward runs on sm_90 only")
+    monkeypatch.setattr(_bwd, "hopper_mode", True)
+    return device
+
+
+BF16, FP16 = torch.bfloat16, torch.float16
+CASES = [
+    batch_case(2, 1024, 1024, 8, 8, 128, BF16, causal=False),
+    batch_case(2, 1024, 1024, 8, 2, 128, BF16, causal=True),
+    batch_case(2, 1024, 1024, 8, 2, 64, FP16, causal=False),
+    batch_case(2, 1024, 1024, 8, 8, 64, BF16, causal=True),
+    batch_case(3, 1000, 1537, 8, 2, 128, BF16, causal=True),
+    batch_case(3, 1537, 1000, 8, 1, 128, FP16, causal=True),
+    batch_case(2, 300, 517, 4, 2, 64, BF16, causal=False),
+    batch_case(2, 1, 1, 4, 4, 128, BF16, causal=True),
+    batch_case(2, 33, 200, 4, 1, 64, FP16, causal=True),
+    batch_case(2, 1024, 1500, 8, 2, 128, BF16, window_size=(100, 300)),
+    batch_case(2, 1024, 1024, 8, 2, 128, BF16, window_size=(256, 0)),
+    batch_case(2, 777, 777, 8, 4, 64, FP16, window_size=(-1, 50)),
+    varlen_case(*GPU_VARLEN_LENGTHS, 8, 2, 128, BF16, causal=True),
+    varlen_case(*GPU_VARLEN_LENGTHS, 8, 8, 64, FP16, causal=False),
+    varlen_case(*GPU_VARLEN_LENGTHS, 8, 2, 128, BF16, causal=False, window_size=(128, 64)),
+    varlen_case((129, 128, 127, 1, 0, 255), (1, 128, 300, 129, 5, 0), 4, 1, 128, FP16, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", [c.param() for c in CASES])
+def test_hopper_backward(case, hopper):
+    check_case(case, hopper)
+
+
+def _grads(q, k, v, dout, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = tk.flash_attn_func(*leaves, **kwargs) if q.dim() == 4 else tk.flash_attn_varlen_func(*leaves, **kwargs)
+    out.backward(dout)
+    return [t.grad for t in leaves]
+
+
+def test_hopper_backward_matches_deterministic(hopper, monkeypatch):
+    """The fused kernel against the two-kernel path on the same inputs: dk and dv sum in another order
+    only inside a program, dq through atomics; all within a few bf16 rounding steps."""
+    q = random_tensor((2, 2048, 16, 128), BF16, hopper)
+    k = random_tensor((2, 2048, 4, 128), BF16, hopper)
+    v = random_tensor((2, 2048, 4, 128), BF16, hopper)
+    dout = random_tensor(q.shape, BF16, hopper)
+    fused = _grads(q, k, v, dout, causal=True)
+    monkeypatch.setattr(_bwd, "hopper_mode", False)
+    two = _grads(q, k, v, dout, causal=True, deterministic=True)
+    for label, a, b in zip(("dq", "dk", "dv"), fused, two):
+        scale = float(b.abs().max())
+        err = float((a.float() - b.float()).abs().max())
+        assert err <= 4 * 2 ** -8 * scale, f"{label}: max |fused - two-kernel| {err} against max |g| {scale}"
+
+
+def test_hopper_varlen_padding_nan_stays_out(hopper):
+    """NaN in the rows past ``cu_seqlens[-1]``: the last key and query blocks of the last sequence read
+    them through TMA, and must not pass them on to real rows' gradients."""
+    lengths_q, lengths_k = (100, 300, 37), (250, 129, 77)
+    cu_q = torch.tensor([0, 100, 400, 437], dtype=torch.int32, device=hopper)
+    cu_k = torch.tensor([0, 250, 379, 456], dtype=torch.int32, device=hopper)
+    q = random_tensor((500, 8, 128), BF16, hopper)
+    k = random_tensor((600, 2, 128), BF16, hopper)
+    v = random_tensor((600, 2, 128), BF16, hopper)
+    dout = random_tensor(q.shape, BF16, hopper)
+    q[437:], k[456:], v[456:], dout[437:] = (float("nan"),) * 4
+    dq, dk, dv = _grads(q, k, v, dout, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q),
+                        max_seqlen_k=max(lengths_k), causal=True)
+    assert not torch.isnan(dq[:437]).any() and not torch.isnan(dk[:456]).any() and not torch.isnan(dv[:456]).any()
+    assert not dq[437:].any() and not dk[456:].any() and not dv[456:].any(), "rows past the last sequence: 0"
+
+
+def test_hopper_batch_neighbour_nan_stays_out(hopper):
+    """Batch mode: a sequence's last blocks run into the next batch element's rows. NaN in element 1's
+    inputs must leave element 0's gradients finite and unchanged (up to dq's atomic order)."""
+    shape = (2, 200, 4, 128)
+    q, k, v, dout = (random_tensor(shape, BF16, hopper) for _ in range(4))
+    clean = _grads(q, k, v, dout)
+    for t in (q, k, v, dout):
+        t[1] = float("nan")
+    poisoned = _grads(q, k, v, dout)
+    for label, a, b in zip(("dq", "dk", "dv"), poisoned, clean):
+        assert not torch.isnan(a[0]).any(), f"{label}: NaN reached element 0"
+        torch.testing.assert_close(a[0], b[0], atol=1e-2, rtol=1e-2, msg=f"{label} of element 0 changed")
+
+
+def test_hopper_mode_raises_where_it_does_not_apply(hopper):
+    q = random_tensor((1, 64, 2, 64), BF16, hopper).requires_grad_()
+    out = tk.flash_attn_func(q, q, q, deterministic=True)  # deterministic: the two-kernel path's
+    with pytest.raises(RuntimeError, match="hopper_mode"):
+        out.sum().backward()

@@ -1,8 +1,9 @@
 """The Gluon kernels (the Hopper forward, backward and paged prefill) compile for sm_90, on any machine.
 
 The interpreter cannot run Gluon, so these kernels' numerics are tested in the GPU lane only
-(``test_fmha_hopper.py``, ``test_fmha_bwd_hopper.py``, ``test_paged_hopper.py``). What the CPU lane can catch is a kernel that no longer
-compiles with the installed triton (the project supports 3.6 and 3.9, whose Gluon APIs differ): each case
+(``test_fmha_hopper.py``, ``test_fmha_bwd_hopper.py``, ``test_paged_hopper.py``). What the CPU lane can
+catch is a kernel that no longer compiles with the installed triton (the project supports 3.6 and 3.9,
+whose Gluon APIs differ): each case
 builds its launch's descriptors with the host helper and compiles to an sm_90 cubin. The compiling runs
 in one child process without ``TRITON_INTERPRET`` (under the interpreter triton hands back interpreted
 functions, which Gluon cannot call) and with an empty triton cache; run this file as a script to see the

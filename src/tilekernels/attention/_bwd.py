@@ -544,7 +544,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, DK, DV, Lse, Delta, CuSeqlensQ, CuSeqlensK,
-                         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, seqlen_q_batch, seqlen_k_batch, num_kv_heads, head_group,
+                         stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_lb,
+                         stride_lh, seqlen_q_batch, seqlen_k_batch, num_kv_heads, head_group,
                          qk_scale_log2, scale, window_left, window_right, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -734,8 +735,8 @@ def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> No
         dq_desc = hopper_descriptor(dq_acc, q_rows, cfg.block_m)
         _attn_bwd_hopper[grid](
             q_desc, k_desc, v_desc, do_desc, dq_desc, dk, dv, lse, delta, cu_q, cu_k,
-            *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q, prob.max_seqlen_k,
-            prob.num_kv_heads, prob.num_heads // prob.num_kv_heads, qk_scale_log2, prob.softmax_scale,
+            *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q,
+            prob.max_seqlen_k, prob.num_kv_heads, prob.num_heads // prob.num_kv_heads, qk_scale_log2, prob.softmax_scale,
             window_left, window_right, HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=HOPPER_BWD_BLOCK_N,
             STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
             CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs, num_warps=4,

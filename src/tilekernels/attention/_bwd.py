@@ -736,10 +736,11 @@ def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> No
         _attn_bwd_hopper[grid](
             q_desc, k_desc, v_desc, do_desc, dq_desc, dk, dv, lse, delta, cu_q, cu_k,
             *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q,
-            prob.max_seqlen_k, prob.num_kv_heads, prob.num_heads // prob.num_kv_heads, qk_scale_log2, prob.softmax_scale,
-            window_left, window_right, HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=HOPPER_BWD_BLOCK_N,
-            STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
-            CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs, num_warps=4,
+            prob.max_seqlen_k, prob.num_kv_heads, prob.num_heads // prob.num_kv_heads, qk_scale_log2,
+            prob.softmax_scale, window_left, window_right, HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m,
+            BLOCK_N=HOPPER_BWD_BLOCK_N, STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0,
+            HAS_RIGHT=prob.window_right >= 0, CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs,
+            num_warps=4,
         )
     torch.mul(dq_acc, prob.softmax_scale, out=dq)
 

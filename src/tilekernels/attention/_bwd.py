@@ -58,7 +58,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from ._fwd import _tma_load, _zero_rows_past
+    from ._fwd import _fa3_sequence, _tma_load, _zero_rows_past
 
     # the TMA reduce-add (cp.reduce.async.bulk.tensor): triton 3.9's Gluon has it; 3.6's IR has the op but
     # its Gluon API does not, so build it the way 3.9 does
@@ -556,16 +556,8 @@ if HAVE_GLUON:
         pid_bh = gl.program_id(1)
         b = pid_bh // num_kv_heads
         hk = pid_bh % num_kv_heads
-        if IS_VARLEN:
-            start_q = gl.load(CuSeqlensQ + b)
-            seqlen_q = gl.load(CuSeqlensQ + b + 1) - start_q
-            start_k = gl.load(CuSeqlensK + b)
-            seqlen_k = gl.load(CuSeqlensK + b + 1) - start_k
-        else:
-            seqlen_q = seqlen_q_batch + b * 0
-            seqlen_k = seqlen_k_batch + b * 0
-            start_q = b * seqlen_q_batch
-            start_k = b * seqlen_k_batch
+        start_q, seqlen_q, start_k, seqlen_k = _fa3_sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q_batch,
+                                                             seqlen_k_batch, IS_VARLEN)
         n0 = pid_n * BLOCK_N
         # the query blocks that may see any key of the block (bottom-right aligned masks)
         diag = seqlen_k - seqlen_q
@@ -749,12 +741,13 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, prob: Problem, deterministic: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) for checked inputs (last dims contiguous). ``deterministic=False`` lets Hopper take the
-    fused Gluon kernel, whose dQ is summed with atomics."""
+    fused Gluon kernel, whose dQ is summed across programs by TMA reduce-adds."""
     varlen = prob.is_varlen
+    fused = hopper_backward_applies((q, k, v, dout), prob, deterministic)
     # varlen: rows past cu_seqlens[-1] get zero gradients (no program writes them; garbage there would
-    # flow back into whatever produced q, k and v)
+    # flow back into whatever produced q, k and v). The fused path writes every row of dq.
     alloc = torch.zeros if varlen else torch.empty
-    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dq = (torch.empty if fused else alloc)(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if dq.numel() == 0 or dk.numel() == 0:
@@ -768,7 +761,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                               *seq_strides(dout, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q,
                               prob.num_heads, HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=block,
                               IS_VARLEN=varlen, num_warps=4)
-    if hopper_backward_applies((q, k, v, dout), prob, deterministic):
+    if fused:
         _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob)
         return dq, dk, dv
     dkdv_cfg, dq_cfg = bwd_configs(prob.head_dim)

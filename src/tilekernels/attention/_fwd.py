@@ -573,6 +573,22 @@ if HAVE_GLUON:
         gl.store(Lse + l_base + q_pos.to(gl.int64) * stride_ls, lse, mask=q_pos < seqlen_q)
 
     @gluon.jit
+    def _fa3_sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q_batch, seqlen_k_batch, IS_VARLEN: gl.constexpr):
+        """(start_q, seqlen_q, start_k, seqlen_k) of sequence ``b``: from ``cu_seqlens`` on the device in
+        varlen mode, else the batch's lengths (rows of batch element b start at ``b * seqlen``)."""
+        if IS_VARLEN:
+            start_q = gl.load(CuSeqlensQ + b)
+            seqlen_q = gl.load(CuSeqlensQ + b + 1) - start_q
+            start_k = gl.load(CuSeqlensK + b)
+            seqlen_k = gl.load(CuSeqlensK + b + 1) - start_k
+        else:
+            seqlen_q = seqlen_q_batch + b * 0
+            seqlen_k = seqlen_k_batch + b * 0
+            start_q = b * seqlen_q_batch
+            start_k = b * seqlen_k_batch
+        return start_q, seqlen_q, start_k, seqlen_k
+
+    @gluon.jit
     def _fa3_key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: gl.constexpr,
                         BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
         """(lo, n_blocks): the key blocks ``[lo, lo + n_blocks * BLOCK_N)`` that any of the query rows
@@ -628,16 +644,8 @@ if HAVE_GLUON:
         b = pid_bh // num_heads
         h = pid_bh % num_heads
         hk = h // head_group
-        if IS_VARLEN:
-            start_q = gl.load(CuSeqlensQ + b)
-            seqlen_q = gl.load(CuSeqlensQ + b + 1) - start_q
-            start_k = gl.load(CuSeqlensK + b)
-            seqlen_k = gl.load(CuSeqlensK + b + 1) - start_k
-        else:
-            seqlen_q = seqlen_q_batch + b * 0
-            seqlen_k = seqlen_k_batch + b * 0
-            start_q = b * seqlen_q_batch
-            start_k = b * seqlen_k_batch
+        start_q, seqlen_q, start_k, seqlen_k = _fa3_sequence(CuSeqlensQ, CuSeqlensK, b, seqlen_q_batch,
+                                                             seqlen_k_batch, IS_VARLEN)
         m0 = pid_m * BLOCK_M
         lo, n_blocks = _fa3_key_blocks(m0, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
                                        HAS_RIGHT)

@@ -1,7 +1,9 @@
-"""The Gluon kernels (the Hopper forward, backward and paged prefill) compile for sm_90, on any machine.
+"""The Gluon kernels (the Hopper attention forward, backward and paged prefill, and the norms' wide-row
+backward) compile for sm_90, on any machine.
 
 The interpreter cannot run Gluon, so these kernels' numerics are tested in the GPU lane only
-(``test_fmha_hopper.py``, ``test_fmha_bwd_hopper.py``, ``test_paged_hopper.py``). What the CPU lane can
+(``test_fmha_hopper.py``, ``test_fmha_bwd_hopper.py``, ``test_paged_hopper.py``, and
+``tests/norm/test_norm.py``'s ``test_gpu_smem_backward``). What the CPU lane can
 catch is a kernel that no longer compiles with the installed triton (the project supports 3.6 and 3.9,
 whose Gluon APIs differ): each case
 builds its launch's descriptors with the host helper and compiles to an sm_90 cubin. The compiling runs
@@ -23,9 +25,12 @@ import pytest
 FORWARD_CASES = {"fwd-D128-causal": (128, True), "fwd-D256-full": (256, False)}
 BACKWARD_CASES = {"bwd-D128-causal": (128, True), "bwd-D64-full": (64, False)}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
+# (norm, prefetch mode, warps, columns per access) at 16384 columns
+NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8), "norm-bwd-rms-registers": ("rms", 1, 16, 4),
+              "norm-bwd-layer-noprefetch": ("layer", 0, 16, 4)}
 
 
-def _compile_sm90(fn, args: dict, constexprs: dict):
+def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
     """Compile the Gluon kernel ``fn`` for sm_90 with these runtime ``args`` (tensors, descriptors, ints,
     floats, by name) and ``constexprs``, specialised as a launch would be: ints that are multiples of 16
     and 16-byte aligned pointers marked divisible by 16."""
@@ -48,7 +53,7 @@ def _compile_sm90(fn, args: dict, constexprs: dict):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in args and divisible(args[n])}
     source = GluonASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                             attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 
 def _compile_forward(head_dim: int, causal: bool):
@@ -124,6 +129,23 @@ def _compile_paged(page_size: int):
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs))
 
 
+def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int):
+    import torch
+
+    from tilekernels.norm import _gluon, _kernels
+
+    M, N = 64, 16384
+    x = torch.empty(M, N, dtype=torch.bfloat16)
+    vector, stats = torch.empty(N, dtype=torch.bfloat16), torch.empty(M)
+    part = torch.empty(4, N)
+    args = dict(x_ptr=x, xbias_ptr=vector, dy_ptr=x, ds_ptr=x, w_ptr=vector, mean_ptr=stats, rstd_ptr=stats, dx_ptr=x,
+                dw_part_ptr=part, db_part_ptr=part, M=M, N=N, stride_xm=N, stride_dym=N, stride_dsm=N)
+    layer = norm == "layer"
+    return _compile_sm90(_gluon._row_backward_smem, args, dict(
+        NORM=_kernels.NORMS[norm], HAS_W=True, HAS_XBIAS=layer, HAS_DS=True, WANT_DW=True, WANT_DB=layer,
+        PREFETCH=prefetch, BLOCK_N=N, VEC=vec), num_warps=num_warps)
+
+
 def _main() -> None:
     """Compile every case; print one JSON object: case -> "ok" (a non-empty cubin) or the error."""
     from tilekernels.attention import _fwd
@@ -133,7 +155,8 @@ def _main() -> None:
         return
     jobs = {**{name: (_compile_forward, case) for name, case in FORWARD_CASES.items()},
             **{name: (_compile_backward, case) for name, case in BACKWARD_CASES.items()},
-            **{name: (_compile_paged, (page,)) for name, page in PAGED_CASES.items()}}
+            **{name: (_compile_paged, (page,)) for name, page in PAGED_CASES.items()},
+            **{name: (_compile_norm_backward, case) for name, case in NORM_CASES.items()}}
     results = {}
     for name, (build, case) in jobs.items():
         try:
@@ -160,7 +183,7 @@ def compiled(tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("case", [*FORWARD_CASES, *BACKWARD_CASES, *PAGED_CASES])
+@pytest.mark.parametrize("case", [*FORWARD_CASES, *BACKWARD_CASES, *PAGED_CASES, *NORM_CASES])
 def test_gluon_kernel_compiles_for_sm90(case, compiled):
     assert compiled[case] == "ok", f"{case}: {compiled[case]}"
 

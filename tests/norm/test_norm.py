@@ -30,6 +30,7 @@ import math
 
 import pytest
 import torch
+import triton
 import torch.nn.functional as F
 
 import tilekernels as tk
@@ -840,6 +841,88 @@ def test_gpu_deterministic(op, device):
     inputs = make_inputs(case, device)
     grad_y, grad_s = _grad_outputs(case, inputs)
     runs = [run_backward(case, inputs, grad_y, grad_s) for _ in range(3)]
+    for run in runs[1:]:
+        for key in run:
+            assert torch.equal(runs[0][key], run[key]), f"{case.name}: d{key} differs between runs"
+
+
+# rows past 8192 columns: the Gluon backward with dw/db in shared memory (norm/_gluon.py), with M below and
+# above the grid, rows that do not fill the block, row strides, fp16 and fp32 (which stage more bytes)
+SMEM_BACKWARD_CASES = [
+    norm_case("layer_norm", torch.bfloat16, 300, 10000, residual=True, x_bias=True),
+    norm_case("layer_norm", torch.float16, 7, 16384, layout="padded", param_dtype=torch.float32),
+    norm_case("layer_norm", torch.bfloat16, 257, 32768, bias=False, residual=True),
+    norm_case("rms_norm", torch.bfloat16, 1000, 20000, residual=True),
+    norm_case("rms_norm", torch.float32, 64, 16384),
+]
+
+
+def _smem_backward_ran(case, device, fn):
+    """Run ``fn`` with empty launch caches and say whether the backward took the Gluon kernel."""
+    from tilekernels.norm import _gluon
+    from tilekernels.norm import norm as norm_module
+
+    norm_module._BACKWARD_PLANS.clear()
+    fn()
+    return any(plan[0].kernel is getattr(_gluon, "_row_backward_smem", None)
+               for plan in norm_module._BACKWARD_PLANS.values())
+
+
+@gpu
+@pytest.mark.parametrize("prefetch", [None, 0, 1, 2])
+@pytest.mark.parametrize("case", [c.param() for c in SMEM_BACKWARD_CASES])
+def test_gpu_smem_backward(case, prefetch, device):
+    """Every gradient against the fp64 reference, under the table's config and each prefetch mode."""
+    config = None
+    if prefetch is not None:
+        config = kern.SmemBackwardConfig(16, prefetch=prefetch)
+    with _override("smem_backward", config):
+        ran = _smem_backward_ran(case, device, lambda: check_backward(case, device, layouts=True))
+    from tilekernels.norm import _gluon
+
+    x = make_x(case, device).clone()   # run_backward's leaves are clones: a padded x arrives contiguous
+    fits = _gluon.smem_backward_applies(x, x, None, config or kern.smem_backward_config(case.N, case.op[:-5]),
+                                        triton.next_power_of_2(case.N), True, case.bias)
+    assert ran == fits, f"{case.name}: Gluon backward ran {ran}, fits {fits}"
+
+
+@gpu
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_gpu_smem_backward_unaligned_rows(norm, device):
+    """Rows that cp.async cannot copy (a row stride that is not a multiple of 16 elements) take the Triton
+    backward, and agree with the Gluon backward on the same values in aligned rows."""
+    from tilekernels.norm import norm as norm_module
+
+    M, N = 33, 16384
+    padded = random_tensor((M, N + 11), torch.bfloat16, device)[:, 5:N + 5]
+    aligned = padded.contiguous()
+    dy = random_tensor((M, N), torch.bfloat16, device)
+    weight = random_tensor((N,), torch.bfloat16, device)
+    xf = aligned.float()
+    mean, rstd = xf.mean(1), torch.rsqrt(xf.var(1, unbiased=False) + 1e-5)
+    results = {}
+    for name, x in (("padded", padded), ("aligned", aligned)):
+        results[name] = []
+        ran = _smem_backward_ran(None, device, lambda: results[name].extend(norm_module.launch_backward(
+            dy, x, None, None, weight, mean, rstd, norm, True, norm == "layer")))
+        assert ran == (name == "aligned"), f"{name} rows: Gluon backward ran {ran}"
+    # the two kernels sum in other orders: dx may differ by a bf16 rounding step, dw/db in fp32 by a few ulp
+    for label, got, want in zip(("dx", "dw", "db"), results["padded"], results["aligned"]):
+        if want is not None:
+            tol = dict(rtol=1.6e-2, atol=1e-2) if label == "dx" else dict(rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{norm} {label}: {m}")
+
+
+@gpu
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_smem_backward_deterministic(op, device):
+    """Rows over every program of the Gluon backward: dweight / dbias bit-identical over three runs."""
+    case = norm_case(op, torch.bfloat16, 2000, 16384, residual=True, param_dtype=torch.float32)
+    inputs = make_inputs(case, device)
+    grad_y, grad_s = _grad_outputs(case, inputs)
+    runs = []
+    assert _smem_backward_ran(case, device, lambda: runs.append(run_backward(case, inputs, grad_y, grad_s)))
+    runs += [run_backward(case, inputs, grad_y, grad_s) for _ in range(2)]
     for run in runs[1:]:
         for key in run:
             assert torch.equal(runs[0][key], run[key]), f"{case.name}: d{key} differs between runs"

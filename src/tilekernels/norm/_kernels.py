@@ -33,7 +33,9 @@ fixed order, so dw and db are bit-identical run to run. When a row is wider than
 one row tile run side by side, so most of those reads come from L2), then reloads its own block and
 computes dx and the block's dw/db sums: registers hold one block of dw/db instead of the whole row's.
 (Keeping the own block in registers through the sums instead spilled: 0.14 of copy bandwidth at
-N = 32768 against 0.46.)
+N = 32768 against 0.46.) On a GPU, rows of 16384 columns take the Gluon backward instead
+(``_gluon._row_backward_smem``): whole rows per program, dw/db sums in shared memory, the next row
+copied in by cp.async (``SMEM_BACKWARD_CONFIGS``).
 
 int8 rounding is half to even, as ``torch.round``: adding 1.5 * 2^23 to |v| <= 127 leaves an fp32
 value with no fractional bits, rounded by the FPU in its default (nearest-even) mode, whose low byte is
@@ -717,7 +719,42 @@ BACKWARD_CONFIGS = (
 )
 INTERPRETER_BACKWARD_BLOCK = 1024
 
-config_override: dict = {}   # tests and sweeps: {"forward": RowConfig, "backward": RowConfig}
+
+@dataclasses.dataclass(frozen=True)
+class SmemBackwardConfig:
+    """The Gluon backward (``_gluon._row_backward_smem``): whole rows, dw/db sums in shared memory."""
+
+    num_warps: int
+    # the next row: 0 not loaded ahead, 1 loaded into registers, 2 copied into shared memory by cp.async
+    prefetch: int = 2
+    vec: int = 4             # columns per thread per access
+    programs_per_sm: int = 1
+
+
+# (power-of-two width, norm or None for both) -> SmemBackwardConfig: the widths where the Gluon backward
+# replaces the Triton one on a GPU (when its shared memory fits and the columns are contiguous). H100 sweep
+# (bf16, launch_backward timed, 3 interleaved rounds, fractions of copy bandwidth, benchmarks/NOTES.md):
+# at 16384 layer 0.825 with 32 warps and 16-byte accesses against 0.57 for the Triton kernel, rms 0.91
+# against 0.75. Not at 4096 / 8192, where the Triton kernel measured level or ahead (layer 0.85-0.91
+# against 0.73-0.89), nor at 32768: dw alone is 128 KiB there, the next row does not fit beside it, and
+# holding it in registers spilled (rms 0.04-0.44 against 0.77).
+SMEM_BACKWARD_CONFIGS = {
+    (16384, "layer"): SmemBackwardConfig(32, vec=8),
+    (16384, "rms"): SmemBackwardConfig(16, vec=8),
+}
+
+# tests and sweeps: {"forward": RowConfig, "backward": RowConfig, "smem_backward": SmemBackwardConfig, or None
+# for the Triton backward}
+config_override: dict = {}
+
+
+def smem_backward_config(N: int, norm: str) -> SmemBackwardConfig | None:
+    if "smem_backward" in config_override:
+        return config_override["smem_backward"]
+    if "backward" in config_override:
+        return None
+    width = triton.next_power_of_2(N)
+    return SMEM_BACKWARD_CONFIGS.get((width, norm)) or SMEM_BACKWARD_CONFIGS.get((width, None))
 
 
 def _lane(device) -> str:

@@ -16,8 +16,11 @@ import numbers
 from typing import Optional
 
 import torch
+import triton
 
-from .._runtime import CachedLaunch, cache_put, cdiv, check_runnable, on_current_device, plain_eager, tensor_key
+from .._runtime import (CachedLaunch, cache_put, cdiv, check_runnable, on_current_device, plain_eager, sm_count,
+                        tensor_key)
+from . import _gluon
 from . import _kernels as kern
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -168,24 +171,36 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
         zeros = torch.zeros(N, dtype=torch.float32, device=device)
         return dx, zeros if want_dw else None, zeros.clone() if want_db else None
     key = (device, *map(tensor_key, (x, x_bias, dy, ds, weight, mean, rstd)), norm, want_dw, want_db,
-           kern.config_override.get("backward"))
+           kern.config_override.get("backward"), kern.config_override.get("smem_backward", 0))
     plan = _BACKWARD_PLANS.get(key)
     if plan is None:
-        config = kern.backward_config(N, norm, device)
-        row_programs, split_n = kern.backward_grid(M, N, config, device)
-        rows = CachedLaunch(kern._row_backward, row_programs * split_n, dict(
-            NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_XBIAS=x_bias is not None, HAS_DS=ds is not None,
-            WANT_DW=want_dw, WANT_DB=want_db, SPLIT_N=split_n, PREFETCH=config.prefetch and split_n == 1,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n), num_warps=config.num_warps)
+        switches = dict(NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_XBIAS=x_bias is not None,
+                        HAS_DS=ds is not None, WANT_DW=want_dw, WANT_DB=want_db)
+        smem = kern.smem_backward_config(N, norm)
+        block_n = triton.next_power_of_2(N)
+        if _gluon.smem_backward_applies(x, dy, ds, smem, block_n, want_dw, want_db):
+            row_programs = max(1, min(M, smem.programs_per_sm * sm_count(device)))
+            rows = CachedLaunch(_gluon._row_backward_smem, row_programs, dict(
+                **switches, PREFETCH=smem.prefetch, BLOCK_N=block_n, VEC=smem.vec), num_warps=smem.num_warps)
+        else:
+            config = kern.backward_config(N, norm, device)
+            row_programs, split_n = kern.backward_grid(M, N, config, device)
+            rows = CachedLaunch(kern._row_backward, row_programs * split_n, dict(
+                **switches, SPLIT_N=split_n, PREFETCH=config.prefetch and split_n == 1,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n), num_warps=config.num_warps)
         # narrow column blocks: one program per 64 columns keeps enough of them in flight
         sums = CachedLaunch(kern._sum_rows, cdiv(N, 64), dict(BLOCK_R=32, BLOCK_N=64), num_warps=4)
         plan = cache_put(_BACKWARD_PLANS, key, (rows, sums, row_programs))
     rows, sums, row_programs = plan
     dw_part = torch.empty((row_programs, N), dtype=torch.float32, device=device) if want_dw else None
     db_part = torch.empty((row_programs, N), dtype=torch.float32, device=device) if want_db else None
-    rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, M, N, x.stride(0), x.stride(1),
-          dy.stride(0), dy.stride(1), ds.stride(0) if ds is not None else 0, ds.stride(1) if ds is not None else 0),
-         device)
+    if rows.kernel is not kern._row_backward:   # the Gluon kernel: unit column strides
+        rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, M, N, x.stride(0), dy.stride(0),
+              ds.stride(0) if ds is not None else 0), device)
+    else:
+        rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, M, N, x.stride(0), x.stride(1),
+              dy.stride(0), dy.stride(1), ds.stride(0) if ds is not None else 0,
+              ds.stride(1) if ds is not None else 0), device)
     grads = []
     for part in (dw_part, db_part):
         if part is None:

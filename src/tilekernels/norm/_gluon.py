@@ -12,7 +12,7 @@ sums in shared memory instead, which Triton cannot allocate explicitly but Gluon
         xhat, g = ..., dy * w
         sums of g * xhat and g                    (one reduction)
         dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   -> stored
-        dw_smem += dy * xhat;  db_smem += dy      (each thread its own elements: no barrier)
+        dw_smem += dy * xhat;  db_smem += dy      (each thread its own elements)
 
 and at the end writes its sums to row ``pid`` of the ``[P, N]`` fp32 partial buffers that
 ``_kernels._sum_rows`` adds in a fixed order, as the Triton path does: dw and db are bit-identical run
@@ -163,6 +163,8 @@ if HAVE_GLUON:
                 dw_smem.store(dw_smem.load(layout) + dy.to(gl.float32) * xhat)
             if WANT_DB:
                 db_smem.store(db_smem.load(layout) + dy.to(gl.float32))
+        if PREFETCH == 2:   # the last copy (of no row: masked) lands before the program exits
+            async_copy.wait_group(0)
         part_row = pid.to(gl.int64) * N
         if WANT_DW:
             gl.store(dw_part_ptr + part_row + cols, dw_smem.load(layout), mask=mask_n)

@@ -58,7 +58,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from ._fwd import _fa3_sequence, _tma_load, _zero_rows_past
+    from ._fwd import _fa3_allowed, _fa3_sequence, _tma_load, _zero_rows_past
 
     # the TMA reduce-add (cp.reduce.async.bulk.tensor): triton 3.9's Gluon has it; 3.6's IR has the op but
     # its Gluon API does not, so build it the way 3.9 does
@@ -486,13 +486,8 @@ if HAVE_GLUON:
             if unmasked:
                 pT = gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0))
             else:
-                kk = gl.expand_dims(k_pos, 1)
-                qq = gl.expand_dims(q_pos, 0)
-                allowed = kk < seqlen_k
-                if HAS_RIGHT:
-                    allowed = allowed & (kk <= qq + diag + window_right)
-                if HAS_LEFT:
-                    allowed = allowed & (kk >= qq + diag - window_left)
+                allowed = _fa3_allowed(gl.expand_dims(k_pos, 1), gl.expand_dims(q_pos, 0), seqlen_k, diag,
+                                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
                 pT = gl.where(allowed, gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0)), 0.0)
             dpT = warpgroup_mma_wait(0, deps=(dp_tok,))
             dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)

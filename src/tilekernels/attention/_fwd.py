@@ -455,19 +455,27 @@ if HAVE_GLUON:
                     mbarrier.arrive(v_ready.index(s))
 
     @gluon.jit
+    def _fa3_allowed(kk, qq, seqlen_k, diag, window_left, window_right, HAS_LEFT: gl.constexpr,
+                     HAS_RIGHT: gl.constexpr):
+        """Which (key ``kk``, query ``qq``) pairs of broadcast position tensors may attend: keys inside the
+        sequence and the window (causal: ``window_right`` 0), aligned bottom-right by ``diag``. The forward
+        and the backward (its transposed tile) share it."""
+        allowed = kk < seqlen_k
+        if HAS_RIGHT:
+            allowed = allowed & (kk <= qq + diag + window_right)
+        if HAS_LEFT:
+            allowed = allowed & (kk >= qq + diag - window_left)
+        return allowed
+
+    @gluon.jit
     def _fa3_softmax(s, m_i, l_i, n0, q_pos, seqlen_k, diag, qk_scale_log2, window_left, window_right,
                      mid_lo, mid_hi, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BLOCK_N: gl.constexpr):
         """One key block of the online softmax on the scores ``s`` (raw q k^T): (p, alpha, m_new, l_new);
         blocks outside ``[mid_lo, mid_hi)`` apply the masks."""
         if (n0 < mid_lo) | (n0 >= mid_hi):
             k_pos = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
-            kk = gl.expand_dims(k_pos, 0)
-            qq = gl.expand_dims(q_pos, 1)
-            allowed = kk < seqlen_k
-            if HAS_RIGHT:
-                allowed = allowed & (kk <= qq + diag + window_right)
-            if HAS_LEFT:
-                allowed = allowed & (kk >= qq + diag - window_left)
+            allowed = _fa3_allowed(gl.expand_dims(k_pos, 0), gl.expand_dims(q_pos, 1), seqlen_k, diag, window_left,
+                                   window_right, HAS_LEFT, HAS_RIGHT)
             x = gl.where(allowed, s * qk_scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(x, axis=1))
             # a row with nothing allowed yet keeps m = -inf; subtract 0 instead (exp2(-inf) = 0, not NaN)

@@ -150,12 +150,9 @@ if HAVE_GLUON:
             xhat, g = _row_values(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM, HAS_W, HAS_XBIAS)
             if NORM == NORM_LAYER:
                 sum_gx, sum_g = gl.reduce((g * xhat, g), 0, _add_pairs)
-            else:
-                sum_gx = gl.sum(g * xhat, axis=0)
-            if NORM == NORM_LAYER:
                 dx = (g - xhat * (sum_gx / N) - sum_g / N) * rstd
             else:
-                dx = (g - xhat * (sum_gx / N)) * rstd
+                dx = (g - xhat * (gl.sum(g * xhat, axis=0) / N)) * rstd
             if HAS_DS:
                 dx += gl.load(ds_ptr + row.to(gl.int64) * stride_dsm + cols, mask=mask_n, other=0.0).to(gl.float32)
             gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask_n)

@@ -731,7 +731,7 @@ class SmemBackwardConfig:
     programs_per_sm: int = 1
 
 
-# (power-of-two width, norm or None for both) -> SmemBackwardConfig: the widths where the Gluon backward
+# (power-of-two width, norm) -> SmemBackwardConfig: the widths where the Gluon backward
 # replaces the Triton one on a GPU (when its shared memory fits and the columns are contiguous). H100 sweep
 # (bf16, launch_backward timed, 3 interleaved rounds, fractions of copy bandwidth, benchmarks/NOTES.md):
 # at 16384 layer 0.825 with 32 warps and 16-byte accesses against 0.57 for the Triton kernel, rms 0.91
@@ -753,8 +753,7 @@ def smem_backward_config(N: int, norm: str) -> SmemBackwardConfig | None:
         return config_override["smem_backward"]
     if "backward" in config_override:
         return None
-    width = triton.next_power_of_2(N)
-    return SMEM_BACKWARD_CONFIGS.get((width, norm)) or SMEM_BACKWARD_CONFIGS.get((width, None))
+    return SMEM_BACKWARD_CONFIGS.get((triton.next_power_of_2(N), norm))
 
 
 def _lane(device) -> str:

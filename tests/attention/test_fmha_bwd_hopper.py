@@ -2,7 +2,7 @@
 
 GPU lane only (``-m gpu``; sm_90, and the interpreter does not run Gluon). Every test forces the kernel
 (``_bwd.hopper_mode = True``, which raises where it does not apply, so no case silently runs the
-two-kernel backward): batch and varlen modes, head dims 64 and 128, fp16 and bf16, causal masks with
+two-kernel backward): batch and varlen modes, head dims 64, 128 and 256, fp16 and bf16, causal masks with
 seqlen_q above and below seqlen_k, sliding windows, GQA/MQA, lengths that are not multiples of the
 tiles (1, 0, 33, 1000, ...). The forward is whichever kernel applies.
 
@@ -50,6 +50,16 @@ CASES = [
     varlen_case(*GPU_VARLEN_LENGTHS, 8, 8, 64, FP16, causal=False),
     varlen_case(*GPU_VARLEN_LENGTHS, 8, 2, 128, BF16, causal=False, window_size=(128, 64)),
     varlen_case((129, 128, 127, 1, 0, 255), (1, 128, 300, 129, 5, 0), 4, 1, 128, FP16, causal=True),
+    # head dim 256: the head-dim-split schedule (64 keys per program, one Q/dO slot, one dQ tile)
+    batch_case(2, 1024, 1024, 4, 4, 256, BF16, causal=False),
+    batch_case(2, 1024, 1024, 4, 2, 256, BF16, causal=True),
+    batch_case(3, 1000, 1537, 4, 1, 256, FP16, causal=True),
+    batch_case(3, 1537, 1000, 4, 2, 256, BF16, causal=True),
+    batch_case(2, 1, 1, 4, 4, 256, BF16, causal=True),
+    batch_case(2, 33, 200, 4, 1, 256, FP16, causal=False),
+    batch_case(2, 1024, 1500, 4, 2, 256, BF16, window_size=(100, 300)),
+    varlen_case(*GPU_VARLEN_LENGTHS, 4, 2, 256, BF16, causal=True),
+    varlen_case((129, 128, 127, 1, 0, 255), (1, 128, 300, 129, 5, 0), 4, 1, 256, FP16, causal=False),
 ]
 
 
@@ -65,12 +75,13 @@ def _grads(q, k, v, dout, **kwargs):
     return [t.grad for t in leaves]
 
 
-def test_hopper_backward_matches_deterministic(hopper, monkeypatch):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_hopper_backward_matches_deterministic(hopper, monkeypatch, head_dim):
     """The fused kernel against the two-kernel path on the same inputs: dk and dv sum in another order
     only inside a program, dq through atomics; all within a few bf16 rounding steps."""
-    q = random_tensor((2, 2048, 16, 128), BF16, hopper)
-    k = random_tensor((2, 2048, 4, 128), BF16, hopper)
-    v = random_tensor((2, 2048, 4, 128), BF16, hopper)
+    q = random_tensor((2, 2048, 16, head_dim), BF16, hopper)
+    k = random_tensor((2, 2048, 4, head_dim), BF16, hopper)
+    v = random_tensor((2, 2048, 4, head_dim), BF16, hopper)
     dout = random_tensor(q.shape, BF16, hopper)
     fused = _grads(q, k, v, dout, causal=True)
     monkeypatch.setattr(_bwd, "hopper_mode", False)
@@ -81,15 +92,16 @@ def test_hopper_backward_matches_deterministic(hopper, monkeypatch):
         assert err <= 4 * 2 ** -8 * scale, f"{label}: max |fused - two-kernel| {err} against max |g| {scale}"
 
 
-def test_hopper_varlen_padding_nan_stays_out(hopper):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_hopper_varlen_padding_nan_stays_out(hopper, head_dim):
     """NaN in the rows past ``cu_seqlens[-1]``: the last key and query blocks of the last sequence read
     them through TMA, and must not pass them on to real rows' gradients."""
     lengths_q, lengths_k = (100, 300, 37), (250, 129, 77)
     cu_q = torch.tensor([0, 100, 400, 437], dtype=torch.int32, device=hopper)
     cu_k = torch.tensor([0, 250, 379, 456], dtype=torch.int32, device=hopper)
-    q = random_tensor((500, 8, 128), BF16, hopper)
-    k = random_tensor((600, 2, 128), BF16, hopper)
-    v = random_tensor((600, 2, 128), BF16, hopper)
+    q = random_tensor((500, 8, head_dim), BF16, hopper)
+    k = random_tensor((600, 2, head_dim), BF16, hopper)
+    v = random_tensor((600, 2, head_dim), BF16, hopper)
     dout = random_tensor(q.shape, BF16, hopper)
     q[437:], k[456:], v[456:], dout[437:] = (float("nan"),) * 4
     dq, dk, dv = _grads(q, k, v, dout, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q),
@@ -98,10 +110,11 @@ def test_hopper_varlen_padding_nan_stays_out(hopper):
     assert not dq[437:].any() and not dk[456:].any() and not dv[456:].any(), "rows past the last sequence: 0"
 
 
-def test_hopper_batch_neighbour_nan_stays_out(hopper):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_hopper_batch_neighbour_nan_stays_out(hopper, head_dim):
     """Batch mode: a sequence's last blocks run into the next batch element's rows. NaN in element 1's
     inputs must leave element 0's gradients finite and unchanged (up to dq's atomic order)."""
-    shape = (2, 200, 4, 128)
+    shape = (2, 200, 4, head_dim)
     q, k, v, dout = (random_tensor(shape, BF16, hopper) for _ in range(4))
     clean = _grads(q, k, v, dout)
     for t in (q, k, v, dout):

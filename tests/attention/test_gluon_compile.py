@@ -23,7 +23,8 @@ import sys
 import pytest
 
 FORWARD_CASES = {"fwd-D128-causal": (128, True), "fwd-D256-full": (256, False)}
-BACKWARD_CASES = {"bwd-D128-causal": (128, True), "bwd-D64-full": (64, False)}
+BACKWARD_CASES = {"bwd-D128-causal": (128, True), "bwd-D64-full": (64, False), "bwd-D256-causal": (256, True),
+                  "bwd-D256-window": (256, "window")}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
 # (norm, prefetch mode, warps, columns per access) at 16384 columns
 NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8), "norm-bwd-rms-registers": ("rms", 1, 16, 4),
@@ -81,13 +82,14 @@ def _compile_backward(head_dim: int, causal: bool):
 
     from tilekernels.attention import _bwd, _fwd
 
-    cfg = _bwd.HOPPER_BWD_CONFIGS.get((head_dim, causal), _bwd.HopperBwdConfig(64, 2))
+    cfg = _bwd.hopper_bwd_config(head_dim, bool(causal))
+    window = causal == "window"
     rows, heads = 512, 4
     qkv = torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)
     lse = torch.empty(heads, rows)
     args = dict(q_desc=_fwd.hopper_descriptor(qkv, rows, cfg.block_m),
-                k_desc=_fwd.hopper_descriptor(qkv, rows, _bwd.HOPPER_BWD_BLOCK_N),
-                v_desc=_fwd.hopper_descriptor(qkv, rows, _bwd.HOPPER_BWD_BLOCK_N),
+                k_desc=_fwd.hopper_descriptor(qkv, rows, cfg.block_n),
+                v_desc=_fwd.hopper_descriptor(qkv, rows, cfg.block_n),
                 do_desc=_fwd.hopper_descriptor(qkv, rows, cfg.block_m),
                 dq_desc=_fwd.hopper_descriptor(torch.empty(rows, heads, head_dim), rows, cfg.block_m),
                 DK=qkv, DV=qkv, Lse=lse, Delta=lse,
@@ -95,10 +97,10 @@ def _compile_backward(head_dim: int, causal: bool):
                 stride_dkb=0, stride_dks=heads * head_dim, stride_dkh=head_dim, stride_dvb=0,
                 stride_dvs=heads * head_dim, stride_dvh=head_dim, stride_lb=0,
                 stride_lh=rows, seqlen_q_batch=0, seqlen_k_batch=0, num_kv_heads=2, head_group=2,
-                qk_scale_log2=0.1, scale=0.1, window_left=-1, window_right=0 if causal else -1)
+                qk_scale_log2=0.1, scale=0.1, window_left=100 if window else -1, window_right=0 if causal else -1)
     return _compile_sm90(_bwd._attn_bwd_hopper, args, dict(
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=_bwd.HOPPER_BWD_BLOCK_N, STAGES=cfg.stages,
-        IS_VARLEN=True, HAS_LEFT=False, HAS_RIGHT=causal, CONSUMER_REGS=cfg.consumer_regs,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=True,
+        HAS_LEFT=window, HAS_RIGHT=bool(causal), SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
         WORKER_REGS=cfg.worker_regs))
 
 

@@ -73,6 +73,10 @@ if HAVE_GLUON:
             _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                       src.handle)
 
+    # a shared buffer viewed with another dtype and shape: ``reinterpret`` in triton 3.9, ``_reinterpret`` in 3.6
+    _smem_reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)
+                         or gl.shared_memory_descriptor._reinterpret)
+
 
 @triton.jit
 def _attn_bwd_delta(Out, DO, Delta, CuSeqlensQ, stride_ob, stride_os, stride_oh, stride_dob, stride_dos,
@@ -383,15 +387,27 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, AlibiSlope
 # That is 5 matrix products per (key block, query block) instead of the two-kernel path's 7. The dQ sum
 # order depends on which program's reduce lands first, so this path is taken only for
 # ``deterministic=False``; ``torch.mul`` into dq then scales and casts the accumulator.
+#
+# Head dim 256 (``SPLIT_D``): dK and dV of 64 keys take all of one warpgroup's registers, so a program
+# owns BLOCK_N = 64 keys and the consumers split the head dim instead. Each computes s^T and dp^T for
+# half of the step's query rows against all 64 keys, stores its rows of p and ds (bf16) to shared
+# memory, and after a barrier accumulates its half of the columns of dV += p^T dO and dK += ds^T Q and
+# computes the same half of dQ_partial = ds K. The shared p and ds leave room for two ring slots only if
+# the dQ partial has no tile of its own: it is written into the slot's Q and dO bytes once both
+# warpgroups are done with them, and the writer frees the slot after its reduce-add.
 
 if HAVE_GLUON:
 
     @gluon.jit
     def _bwd_producer(q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, fix,
                       q_row0, kv_row, kv_col, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                      PAIRED: gl.constexpr):
         """One warp: K and V of the key block, then (Q, dO) of step t = g * n_q + j (head h0 + g, query block
-        lo + j * BLOCK_M) into ring slot t % STAGES."""
+        lo + j * BLOCK_M) into ring slot t % STAGES: entry s of ``q_bufs`` and ``do_bufs``, or with ``PAIRED``
+        entries 2s and 2s + 1 of one buffer."""
+        Q_STEP: gl.constexpr = 2 if PAIRED else 1
+        DO_OFF: gl.constexpr = 1 if PAIRED else 0
         kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
         qdo_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
         fix_phase = n0 * 0
@@ -417,17 +433,17 @@ if HAVE_GLUON:
             mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
             if m + BLOCK_M <= seqlen_q:
                 mbarrier.expect(ready.index(s), qdo_bytes)
-                _tma_load(q_desc, [q_row0 + m, col], ready.index(s), q_bufs.index(s))
-                _tma_load(do_desc, [q_row0 + m, col], ready.index(s), do_bufs.index(s))
+                _tma_load(q_desc, [q_row0 + m, col], ready.index(s), q_bufs.index(s * Q_STEP))
+                _tma_load(do_desc, [q_row0 + m, col], ready.index(s), do_bufs.index(s * Q_STEP + DO_OFF))
             else:
                 # the last query block of a head (once per head): zero the rows past the sequence
                 mbarrier.expect(fix, qdo_bytes)
-                _tma_load(q_desc, [q_row0 + m, col], fix, q_bufs.index(s))
-                _tma_load(do_desc, [q_row0 + m, col], fix, do_bufs.index(s))
+                _tma_load(q_desc, [q_row0 + m, col], fix, q_bufs.index(s * Q_STEP))
+                _tma_load(do_desc, [q_row0 + m, col], fix, do_bufs.index(s * Q_STEP + DO_OFF))
                 mbarrier.wait(fix, fix_phase)
                 fix_phase = fix_phase ^ 1
-                _zero_rows_past(q_bufs.index(s), m, seqlen_q, BLOCK_M)
-                _zero_rows_past(do_bufs.index(s), m, seqlen_q, BLOCK_M)
+                _zero_rows_past(q_bufs.index(s * Q_STEP), m, seqlen_q, BLOCK_M)
+                _zero_rows_past(do_bufs.index(s * Q_STEP + DO_OFF), m, seqlen_q, BLOCK_M)
                 mbarrier.arrive(ready.index(s))
 
     @gluon.jit
@@ -523,16 +539,109 @@ if HAVE_GLUON:
         gl.store(DV + dv_base + r64 * stride_dvs + gl.expand_dims(cols, 0), dv.to(DV.dtype.element_ty), mask=ok)
 
     @gluon.jit
+    def _bwd_consumer_split_d(W: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, kv_bar,
+                              ready, empty, ds_full, ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base,
+                              stride_dks, stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k,
+                              qk_scale_log2, scale, window_left, window_right, HEAD_DIM: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+        """One warpgroup of the head-dim-split schedule (head dim 256, where one warpgroup cannot hold dK and dV
+        of 64 keys): scores for query rows ``W * BLOCK_M / 2 ...`` of each step against all BLOCK_N keys, and
+        columns ``W * D / 2 ...`` of dK, dV (accumulated over the steps) and of each step's dQ partial. p and
+        ds go through shared memory ([BLOCK_M, BLOCK_N], each warpgroup writes its query rows), because
+        every column of dK, dV and dQ needs all of them. A ring slot holds a step's Q and dO (``q_bufs``
+        entries 2s and 2s + 1) and, once both warpgroups are done with them, the step's fp32 dQ partial
+        (``dq_smem`` entry s, the same bytes); the dQ writer frees the slot."""
+        QH: gl.constexpr = BLOCK_M // 2
+        DH: gl.constexpr = HEAD_DIM // 2
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, QH, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DH, 16])
+        dtype: gl.constexpr = k_smem.dtype
+
+        k_pos = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        k_cols = k_smem.slice(W * DH, DH, dim=1)
+        p_rows = p_smem.slice(W * QH, QH, dim=0).permute((1, 0))
+        ds_rows = ds_smem.slice(W * QH, QH, dim=0).permute((1, 0))
+        diag = seqlen_k - seqlen_q
+        keys_whole = n0 + BLOCK_N <= seqlen_k
+
+        dk = gl.zeros([BLOCK_N, DH], gl.float32, o_layout)
+        dv = gl.zeros([BLOCK_N, DH], gl.float32, o_layout)
+        mbarrier.wait(kv_bar, 0)
+        for t in range(total):
+            g = t // n_q
+            m = lo + (t - g * n_q) * BLOCK_M
+            s = t % STAGES
+            q = q_bufs.index(2 * s)
+            do = do_bufs.index(2 * s + 1)
+            mw = m + W * QH
+            q_pos = mw + gl.arange(0, QH, layout=gl.SliceLayout(0, s_layout))
+            row_ok = q_pos < seqlen_q
+            l_ptrs = l_base + g * stride_lh + q_pos
+            # rows past the sequence: lse +inf, so p = 0 there
+            lse2 = gl.load(Lse + l_ptrs, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            delta = gl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
+            mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+            zero_s = gl.zeros([BLOCK_N, QH], gl.float32, s_layout)
+            s_tok = warpgroup_mma(k_smem, q.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+            dp_tok = warpgroup_mma(v_smem, do.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
+                                   is_async=True)
+            sT = warpgroup_mma_wait(1, deps=(s_tok,))
+            unmasked = keys_whole
+            if HAS_RIGHT:
+                unmasked = unmasked & (n0 + BLOCK_N - 1 <= mw + diag + window_right)
+            if HAS_LEFT:
+                unmasked = unmasked & (n0 >= mw + QH - 1 + diag - window_left)
+            if unmasked:
+                pT = gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0))
+            else:
+                allowed = _fa3_allowed(gl.expand_dims(k_pos, 1), gl.expand_dims(q_pos, 0), seqlen_k, diag,
+                                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
+                pT = gl.where(allowed, gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0)), 0.0)
+            dpT = warpgroup_mma_wait(0, deps=(dp_tok,))
+            dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
+            # this warpgroup's rows of p and ds, once both warpgroups have read the previous step's
+            mbarrier.wait(ds_free, (t & 1) ^ 1)
+            p_rows.store(pT.to(dtype))
+            ds_rows.store(dsT)
+            fence_async_shared()
+            mbarrier.arrive(ds_full)
+            mbarrier.wait(ds_full, t & 1)
+            # dV[:, cols] += p^T dO[:, cols], dK[:, cols] += ds^T Q[:, cols], dQ partial[:, cols] = ds K[:, cols]
+            dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do.slice(W * DH, DH, dim=1), dv, is_async=True)
+            dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q.slice(W * DH, DH, dim=1), dk, is_async=True)
+            zero_dq = gl.zeros([BLOCK_M, DH], gl.float32, o_layout)
+            dq_tok = warpgroup_mma(ds_smem, k_cols, zero_dq, use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            mbarrier.arrive(ds_free)
+            # both warpgroups done with the step's products: Q and dO are dead, the dQ partial takes their bytes
+            mbarrier.wait(ds_free, t & 1)
+            dq_smem.index(s).slice(W * DH, DH, dim=1).store(dq)
+            fence_async_shared()
+            mbarrier.arrive(dq_full.index(s))
+
+        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
+        cols = W * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
+        ok = gl.expand_dims(rows < seqlen_k, 1)
+        r64 = gl.expand_dims(rows.to(gl.int64), 1)
+        gl.store(DK + dk_base + r64 * stride_dks + gl.expand_dims(cols, 0), (dk * scale).to(DK.dtype.element_ty),
+                 mask=ok)
+        gl.store(DV + dv_base + r64 * stride_dvs + gl.expand_dims(cols, 0), dv.to(DV.dtype.element_ty), mask=ok)
+
+    @gluon.jit
     def _bwd_dq_writer(dq_desc, dq_smem, dq_full, dq_free, q_row0, h0, lo, n_q, total, HEAD_DIM: gl.constexpr,
-                       BLOCK_M: gl.constexpr):
+                       BLOCK_M: gl.constexpr, DQ_BUFS: gl.constexpr):
         """One warp: adds each step's shared dQ partial into the fp32 accumulator with a TMA reduce-add. Rows
         past the sequence add exact zeros (their p, and so ds, is 0), so no mask is needed; rows past the
         tensor are dropped by TMA."""
         for t in range(total):
             g = t // n_q
             m = lo + (t - g * n_q) * BLOCK_M
-            b = t % 2
-            mbarrier.wait(dq_full.index(b), (t // 2) & 1)
+            b = t % DQ_BUFS
+            mbarrier.wait(dq_full.index(b), (t // DQ_BUFS) & 1)
             _tma_reduce_add(dq_desc, [q_row0 + m, (h0 + g) * HEAD_DIM], dq_smem.index(b))
             tma.store_wait(0)
             mbarrier.arrive(dq_free.index(b))
@@ -544,9 +653,11 @@ if HAVE_GLUON:
                          qk_scale_log2, scale, window_left, window_right, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                         SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
         """dk, dv of BLOCK_N key rows of one (sequence, KV head) and their share of dq (added into an fp32
-        accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``."""
+        accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
+        ``SPLIT_D``: the consumer warpgroups split the head dim instead of the keys (``_bwd_consumer_split_d``),
+        and each ring slot's Q and dO bytes take the step's dQ partial once dead (no separate dQ tiles)."""
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         b = pid_bh // num_kv_heads
@@ -577,47 +688,81 @@ if HAVE_GLUON:
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_desc.layout)
+        if SPLIT_D:
+            # slot s: Q (entry 2s) and dO (2s + 1), later the fp32 dQ partial in the same bytes
+            DQ_BUFS: gl.constexpr = STAGES
+            q_bufs = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_bufs = q_bufs
+            dq_smem = _smem_reinterpret(q_bufs, gl.float32, [STAGES, BLOCK_M, HEAD_DIM], dq_desc.layout)
+            # p and ds query-major: each warpgroup stores its query rows
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
+            p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], ds_layout)
+        else:
+            DQ_BUFS: gl.constexpr = 2
+            q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+            do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+            ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [DQ_BUFS, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         mbarrier.init(fix, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
+            # freed by both consumers, or (SPLIT_D) by the dQ writer once the slot's dQ partial is added
+            mbarrier.init(empty.index(i), count=1 if SPLIT_D else 2)
         mbarrier.init(ds_full, count=2)
         mbarrier.init(ds_free, count=2)
-        for i in gl.static_range(2):
+        for i in gl.static_range(DQ_BUFS):
             mbarrier.init(dq_full.index(i), count=2)
             mbarrier.init(dq_free.index(i), count=1)
         fence_async_shared()
 
-        gl.warp_specialize([
-            (_bwd_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
-                             ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
-                             stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
-                             scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                             HAS_RIGHT)),
-            (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
-                             ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
-                             stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
-                             scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                             HAS_RIGHT)),
-            (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
-                             fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, dq_free, start_q, h0, lo, n_q, total, HEAD_DIM, BLOCK_M)),
-        ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
+        if SPLIT_D:
+            gl.warp_specialize([
+                (_bwd_consumer_split_d, (0, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, kv_bar, ready,
+                                         empty, ds_full, ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base,
+                                         dv_base, stride_dks, stride_dvs, l_base, stride_lh, n0, lo, n_q, total,
+                                         seqlen_q, seqlen_k, qk_scale_log2, scale, window_left, window_right, HEAD_DIM,
+                                         BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+                (_bwd_consumer_split_d, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, kv_bar, ready,
+                                         empty, ds_full, ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base,
+                                         dv_base, stride_dks, stride_dvs, l_base, stride_lh, n0, lo, n_q, total,
+                                         seqlen_q, seqlen_k, qk_scale_log2, scale, window_left, window_right, HEAD_DIM,
+                                         BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT)),
+                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+                                 fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
+                                 HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True)),
+                # the writer frees the ring slot (``empty``) once the slot's dQ partial is added
+                (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, empty, start_q, h0, lo, n_q, total, HEAD_DIM, BLOCK_M,
+                                  DQ_BUFS)),
+            ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
+        else:
+            gl.warp_specialize([
+                (_bwd_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
+                                 ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
+                                 stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
+                                 scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 HAS_RIGHT)),
+                (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
+                                 ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
+                                 stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
+                                 scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 HAS_RIGHT)),
+                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+                                 fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
+                                 HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False)),
+                (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, dq_free, start_q, h0, lo, n_q, total, HEAD_DIM, BLOCK_M,
+                                  DQ_BUFS)),
+            ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -660,21 +805,36 @@ def bwd_configs(head_dim: int) -> tuple[BwdConfig, BwdConfig]:
 
 @dataclasses.dataclass(frozen=True)
 class HopperBwdConfig:
-    """The Gluon backward's launch: ``block_m`` query rows per step against 128 keys (two consumer
-    warpgroups of 64), ``stages`` ring slots for Q and dO, and the register split."""
+    """The Gluon backward's launch: ``block_m`` query rows per step against ``block_n`` keys per program,
+    ``stages`` ring slots for Q and dO, the register split, and the schedule: two consumer warpgroups
+    owning half of the keys each, or (``split_d``) half of the head dim each."""
     block_m: int
     stages: int
     consumer_regs: int = 240
     worker_regs: int = 32
+    block_n: int = 128
+    split_d: bool = False
 
 
 # Keyed by (head dim, causal or windowed). Chosen on an H100 (bf16, 2026-11-23, 3 interleaved rounds of
 # do_bench medians, backward only, TFLOP/s; benchmarks/NOTES.md), fused against the two-kernel path:
 # D 128 full 400-424 vs 394-422, causal 322-382 vs 303-342; D 64 causal 235 vs 214, but D 64 full 307 vs
 # 327, so that case keeps the two kernels. 128-row query blocks: 116-167 at D 64 (D 128 does not fit).
+# D 256: 64 keys per program, both warpgroups over all of them with half the head dim each (dK and dV of
+# 64 keys x 256 columns in fp32 are 128 registers per thread of one warpgroup). K, V, p, ds and two ring
+# slots take 208 KiB of shared memory; a separate fp32 dQ tile (64 KiB) would leave room for one slot only
+# (FlashAttention-3's head dim 256 runs one), so each slot's dead Q and dO take the step's dQ partial.
+# H100, bf16, 4x16x4096 | 2x16x8192: full 302 | 315 TFLOP/s, causal 275 | 296, against the two-kernel
+# path's 285 | 273 and 187 | 206; with one slot and a separate dQ tile 247 | 252 and 233 | 242.
+_D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
-                      (64, True): HopperBwdConfig(64, 2)}
-HOPPER_BWD_BLOCK_N = 128
+                      (64, True): HopperBwdConfig(64, 2), (256, False): _D256, (256, True): _D256}
+
+def hopper_bwd_config(head_dim: int, masked: bool) -> HopperBwdConfig:
+    """The table's config; for a case the table leaves to the two kernels (tests may force the Gluon
+    kernel there), the masked case's."""
+    return HOPPER_BWD_CONFIGS.get((head_dim, masked)) or HOPPER_BWD_CONFIGS[(head_dim, True)]
+
 
 # tests: None takes the Gluon backward wherever it applies on Hopper (deterministic=False only); False
 # never; True also raises if it does not apply (so a test cannot silently run the other kernels)
@@ -684,15 +844,15 @@ hopper_config_override: HopperBwdConfig | None = None
 
 def hopper_backward_applies(tensors, prob: Problem, deterministic: bool) -> bool:
     """Whether the fused Gluon backward takes this call: not ``deterministic``, Hopper (sm_90), fp16/bf16,
-    head dim 128, or 64 with a causal or windowed mask (``HOPPER_BWD_CONFIGS``; tests forcing the kernel
-    also get D 64 without a mask), heads contiguous in q/k/v/dO (``[rows, H * D]`` views for TMA), no
+    head dim 128 or 256, or 64 with a causal or windowed mask (``HOPPER_BWD_CONFIGS``; tests forcing the
+    kernel also get D 64 without a mask), heads contiguous in q/k/v/dO (``[rows, H * D]`` views for TMA), no
     softcap, ALiBi or dropout."""
     if hopper_mode is False:
         return False
     q = tensors[0]
     masked = prob.window_left >= 0 or prob.window_right >= 0
     known = (prob.head_dim, masked) in HOPPER_BWD_CONFIGS or (
-        hopper_mode is True and prob.head_dim in (64, 128))
+        hopper_mode is True and prob.head_dim in (64, 128, 256))
     ok = (HAVE_GLUON and not deterministic and not is_interpreter() and q.is_cuda and is_hopper(q.device)
           and q.dtype in (torch.float16, torch.bfloat16) and known
           and prob.softcap == 0 and prob.alibi_slopes is None and prob.dropout_p == 0
@@ -706,8 +866,8 @@ def hopper_backward_applies(tensors, prob: Problem, deterministic: bool) -> bool
 def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> None:
     varlen = prob.is_varlen
     masked = prob.window_left >= 0 or prob.window_right >= 0
-    cfg = hopper_config_override or HOPPER_BWD_CONFIGS.get((prob.head_dim, masked), HopperBwdConfig(64, 2))
-    grid = (cdiv(prob.max_seqlen_k, HOPPER_BWD_BLOCK_N), prob.batch * prob.num_kv_heads)
+    cfg = hopper_config_override or hopper_bwd_config(prob.head_dim, masked)
+    grid = (cdiv(prob.max_seqlen_k, cfg.block_n), prob.batch * prob.num_kv_heads)
     # the fp32 dQ accumulator, laid out as q (rows no program reaches stay 0)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if grid[0]:
@@ -715,8 +875,8 @@ def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> No
         q_rows, kv_rows = (q.shape[0], k.shape[0]) if varlen else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
         q_desc = hopper_descriptor(q, q_rows, cfg.block_m)
         do_desc = hopper_descriptor(dout, q_rows, cfg.block_m)
-        k_desc = hopper_descriptor(k, kv_rows, HOPPER_BWD_BLOCK_N)
-        v_desc = hopper_descriptor(v, kv_rows, HOPPER_BWD_BLOCK_N)
+        k_desc = hopper_descriptor(k, kv_rows, cfg.block_n)
+        v_desc = hopper_descriptor(v, kv_rows, cfg.block_n)
         cu_q, cu_k, _, _ = prob.pointers(lse)
         qk_scale_log2, _, _, window_left, window_right, _ = prob.scalars()
         dq_desc = hopper_descriptor(dq_acc, q_rows, cfg.block_m)
@@ -725,9 +885,9 @@ def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> No
             *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q,
             prob.max_seqlen_k, prob.num_kv_heads, prob.num_heads // prob.num_kv_heads, qk_scale_log2,
             prob.softmax_scale, window_left, window_right, HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m,
-            BLOCK_N=HOPPER_BWD_BLOCK_N, STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0,
-            HAS_RIGHT=prob.window_right >= 0, CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs,
-            num_warps=4,
+            BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0,
+            HAS_RIGHT=prob.window_right >= 0, SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
+            WORKER_REGS=cfg.worker_regs, num_warps=4,
         )
     torch.mul(dq_acc, prob.softmax_scale, out=dq)
 

@@ -412,15 +412,24 @@ if HAVE_GLUON:
     @gluon.jit
     def _zero_rows_past(buf, n0, seqlen_k, BLOCK_N: gl.constexpr):
         """Zero the rows of a landed key block ``buf`` (keys ``n0 ...``) at or past ``seqlen_k``, 8 rows at a
-        time, then fence so that wgmma (the async proxy) sees the stores."""
+        time (and 128 columns at a time in wider rows: a one-warp producer has few registers), then fence so
+        that wgmma (the async proxy) sees the stores."""
         CHUNK: gl.constexpr = 8
+        COLS: gl.constexpr = 128
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
         for c in gl.static_range(BLOCK_N // CHUNK):
             rows = n0 + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             part = buf.slice(c * CHUNK, CHUNK, dim=0)
-            x = part.load(layout)
-            x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
-            part.store(x)
+            if buf.shape[1] <= COLS:
+                x = part.load(layout)
+                x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
+                part.store(x)
+            else:
+                for h in gl.static_range(buf.shape[1] // COLS):
+                    cols = part.slice(h * COLS, COLS, dim=1)
+                    x = cols.load(layout)
+                    x = gl.where(gl.expand_dims(rows < seqlen_k, 1), x, 0.0)
+                    cols.store(x)
         fence_async_shared()
 
     @gluon.jit

@@ -447,6 +447,46 @@ if HAVE_GLUON:
                 mbarrier.arrive(ready.index(s))
 
     @gluon.jit
+    def _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q):
+        """(lse * log2(e), delta) of query rows ``q_pos`` of head h0 + g; rows past the sequence get lse +inf,
+        so p = 0 there."""
+        row_ok = q_pos < seqlen_q
+        l_ptrs = l_base + g * stride_lh + q_pos
+        lse2 = gl.load(Lse + l_ptrs, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = gl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
+        return lse2, delta
+
+    @gluon.jit
+    def _bwd_probs_t(sT, lse2, k_pos, q_pos, k_first, k_last, q_first, q_last, keys_whole, seqlen_k, diag,
+                     qk_scale_log2, window_left, window_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+        """p^T of a [keys, queries] score tile whose keys are ``k_first..k_last`` and queries
+        ``q_first..q_last``: the mask is built only where some pair of the tile may be outside it."""
+        unmasked = keys_whole
+        if HAS_RIGHT:
+            unmasked = unmasked & (k_last <= q_first + diag + window_right)
+        if HAS_LEFT:
+            unmasked = unmasked & (k_first >= q_last + diag - window_left)
+        if unmasked:
+            pT = gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0))
+        else:
+            allowed = _fa3_allowed(gl.expand_dims(k_pos, 1), gl.expand_dims(q_pos, 0), seqlen_k, diag,
+                                   window_left, window_right, HAS_LEFT, HAS_RIGHT)
+            pT = gl.where(allowed, gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0)), 0.0)
+        return pT
+
+    @gluon.jit
+    def _bwd_store_dkdv(DK, DV, dk, dv, dk_base, dv_base, stride_dks, stride_dvs, row0, col0, seqlen_k, scale,
+                        ROWS: gl.constexpr, COLS: gl.constexpr, layout: gl.constexpr):
+        """Rows ``row0 ...`` (those inside the sequence) and columns ``col0 ...`` of dk (times ``scale``) and dv."""
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        ok = gl.expand_dims(rows < seqlen_k, 1)
+        r64 = gl.expand_dims(rows.to(gl.int64), 1)
+        gl.store(DK + dk_base + r64 * stride_dks + gl.expand_dims(cols, 0), (dk * scale).to(DK.dtype.element_ty),
+                 mask=ok)
+        gl.store(DV + dv_base + r64 * stride_dvs + gl.expand_dims(cols, 0), dv.to(DV.dtype.element_ty), mask=ok)
+
+    @gluon.jit
     def _bwd_consumer(W: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty,
                       ds_full, ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                       stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2, scale,
@@ -484,27 +524,14 @@ if HAVE_GLUON:
             q = q_bufs.index(s)
             do = do_bufs.index(s)
             q_pos = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            row_ok = q_pos < seqlen_q
-            l_ptrs = l_base + g * stride_lh + q_pos
-            # rows past the sequence: lse +inf, so p = 0 there
-            lse2 = gl.load(Lse + l_ptrs, mask=row_ok, other=float("inf")) * 1.4426950408889634
-            delta = gl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
+            lse2, delta = _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q)
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
             s_tok = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             sT = warpgroup_mma_wait(1, deps=(s_tok,))
-            unmasked = keys_whole
-            if HAS_RIGHT:
-                unmasked = unmasked & (nw0 + HALF - 1 <= m + diag + window_right)
-            if HAS_LEFT:
-                unmasked = unmasked & (nw0 >= m + BLOCK_M - 1 + diag - window_left)
-            if unmasked:
-                pT = gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0))
-            else:
-                allowed = _fa3_allowed(gl.expand_dims(k_pos, 1), gl.expand_dims(q_pos, 0), seqlen_k, diag,
-                                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
-                pT = gl.where(allowed, gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0)), 0.0)
+            pT = _bwd_probs_t(sT, lse2, k_pos, q_pos, nw0, nw0 + HALF - 1, m, m + BLOCK_M - 1, keys_whole, seqlen_k,
+                              diag, qk_scale_log2, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             dpT = warpgroup_mma_wait(0, deps=(dp_tok,))
             dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
             p_op = gl.convert_layout(pT.to(dtype), op_layout)
@@ -530,13 +557,8 @@ if HAVE_GLUON:
             fence_async_shared()
             mbarrier.arrive(dq_full.index(b))
 
-        rows = nw0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ok = gl.expand_dims(rows < seqlen_k, 1)
-        r64 = gl.expand_dims(rows.to(gl.int64), 1)
-        gl.store(DK + dk_base + r64 * stride_dks + gl.expand_dims(cols, 0), (dk * scale).to(DK.dtype.element_ty),
-                 mask=ok)
-        gl.store(DV + dv_base + r64 * stride_dvs + gl.expand_dims(cols, 0), dv.to(DV.dtype.element_ty), mask=ok)
+        _bwd_store_dkdv(DK, DV, dk, dv, dk_base, dv_base, stride_dks, stride_dvs, nw0, 0, seqlen_k, scale, HALF,
+                        HEAD_DIM, o_layout)
 
     @gluon.jit
     def _bwd_consumer_split_d(W: gl.constexpr, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, kv_bar,
@@ -578,11 +600,7 @@ if HAVE_GLUON:
             do = do_bufs.index(2 * s + 1)
             mw = m + W * QH
             q_pos = mw + gl.arange(0, QH, layout=gl.SliceLayout(0, s_layout))
-            row_ok = q_pos < seqlen_q
-            l_ptrs = l_base + g * stride_lh + q_pos
-            # rows past the sequence: lse +inf, so p = 0 there
-            lse2 = gl.load(Lse + l_ptrs, mask=row_ok, other=float("inf")) * 1.4426950408889634
-            delta = gl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
+            lse2, delta = _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q)
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             zero_s = gl.zeros([BLOCK_N, QH], gl.float32, s_layout)
             s_tok = warpgroup_mma(k_smem, q.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
@@ -590,17 +608,8 @@ if HAVE_GLUON:
             dp_tok = warpgroup_mma(v_smem, do.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
             sT = warpgroup_mma_wait(1, deps=(s_tok,))
-            unmasked = keys_whole
-            if HAS_RIGHT:
-                unmasked = unmasked & (n0 + BLOCK_N - 1 <= mw + diag + window_right)
-            if HAS_LEFT:
-                unmasked = unmasked & (n0 >= mw + QH - 1 + diag - window_left)
-            if unmasked:
-                pT = gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0))
-            else:
-                allowed = _fa3_allowed(gl.expand_dims(k_pos, 1), gl.expand_dims(q_pos, 0), seqlen_k, diag,
-                                       window_left, window_right, HAS_LEFT, HAS_RIGHT)
-                pT = gl.where(allowed, gl.exp2(sT * qk_scale_log2 - gl.expand_dims(lse2, 0)), 0.0)
+            pT = _bwd_probs_t(sT, lse2, k_pos, q_pos, n0, n0 + BLOCK_N - 1, mw, mw + QH - 1, keys_whole, seqlen_k, diag,
+                              qk_scale_log2, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             dpT = warpgroup_mma_wait(0, deps=(dp_tok,))
             dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
             # this warpgroup's rows of p and ds, once both warpgroups have read the previous step's
@@ -623,13 +632,8 @@ if HAVE_GLUON:
             fence_async_shared()
             mbarrier.arrive(dq_full.index(s))
 
-        rows = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
-        cols = W * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, o_layout))
-        ok = gl.expand_dims(rows < seqlen_k, 1)
-        r64 = gl.expand_dims(rows.to(gl.int64), 1)
-        gl.store(DK + dk_base + r64 * stride_dks + gl.expand_dims(cols, 0), (dk * scale).to(DK.dtype.element_ty),
-                 mask=ok)
-        gl.store(DV + dv_base + r64 * stride_dvs + gl.expand_dims(cols, 0), dv.to(DV.dtype.element_ty), mask=ok)
+        _bwd_store_dkdv(DK, DV, dk, dv, dk_base, dv_base, stride_dks, stride_dvs, n0, W * DH, seqlen_k, scale,
+                        BLOCK_N, DH, o_layout)
 
     @gluon.jit
     def _bwd_dq_writer(dq_desc, dq_smem, dq_full, dq_free, q_row0, h0, lo, n_q, total, HEAD_DIM: gl.constexpr,

@@ -834,6 +834,7 @@ _D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
                       (64, True): HopperBwdConfig(64, 2), (256, False): _D256, (256, True): _D256}
 
+
 def hopper_bwd_config(head_dim: int, masked: bool) -> HopperBwdConfig:
     """The table's config; for a case the table leaves to the two kernels (tests may force the Gluon
     kernel there), the masked case's."""

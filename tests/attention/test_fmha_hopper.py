@@ -26,11 +26,9 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def hopper(device, monkeypatch):
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        pytest.skip("the Gluon forward runs on sm_90 only")
+def hopper(sm90, monkeypatch):
     monkeypatch.setattr(_fwd, "hopper_mode", True)
-    return device
+    return sm90
 
 
 BF16, FP16 = torch.bfloat16, torch.float16

@@ -30,12 +30,10 @@ LQ, LK = (1, 700, 0, 129, 1500), (2000, 700, 1, 128, 1400)
 
 
 @pytest.fixture
-def hopper(device, monkeypatch):
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        pytest.skip("the Gluon prefill runs on sm_90 only")
+def hopper(sm90, monkeypatch):
     monkeypatch.setattr(_paged_kernels, "hopper_mode", True)
     monkeypatch.setattr(paged_api, "_PLANS", {})
-    return device
+    return sm90
 
 
 HOPPER_CASES = [

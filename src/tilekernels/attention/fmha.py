@@ -231,8 +231,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     - ``dropout_p``: dropout on the attention probabilities, drawn by Philox from a seed that torch's
       generator draws on the device (``torch.manual_seed`` reproduces it).
     - ``deterministic``: ``True`` gives bit-identical gradients run to run (two kernels, no atomics). The
-      default ``False`` lets Hopper (fp16/bf16, head dim 128, or 64 with a causal or windowed mask; no
-      softcap, ALiBi or dropout) take one fused kernel that sums dq in fp32 with TMA reduce-adds: dq may
+      default ``False`` lets Hopper (fp16/bf16, head dim 128 or 256, or 64 with a causal or windowed mask;
+      no softcap, ALiBi or dropout) take one fused kernel that sums dq in fp32 with TMA reduce-adds: dq may
       then differ in the last bits between runs.
 
     Example::

@@ -26,9 +26,11 @@ FORWARD_CASES = {"fwd-D128-causal": (128, True), "fwd-D256-full": (256, False)}
 BACKWARD_CASES = {"bwd-D128-causal": (128, True), "bwd-D64-full": (64, False), "bwd-D256-causal": (256, True),
                   "bwd-D256-window": (256, "window")}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
-# (norm, prefetch mode, warps, columns per access) at 16384 columns
-NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8), "norm-bwd-rms-registers": ("rms", 1, 16, 4),
-              "norm-bwd-layer-noprefetch": ("layer", 0, 16, 4)}
+# (norm, prefetch mode, warps, columns per access, programs per row): 16384 columns per program (8192 when
+# four programs share a row)
+NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8, 1), "norm-bwd-rms-registers": ("rms", 1, 16, 4, 1),
+              "norm-bwd-layer-noprefetch": ("layer", 0, 16, 4, 1), "norm-bwd-layer-split4": ("layer", 2, 16, 8, 4),
+              "norm-bwd-rms-split2": ("rms", 2, 16, 8, 2)}
 
 
 def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
@@ -42,6 +44,9 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
     from triton.runtime.jit import mangle_type
 
     names = fn.arg_names
+    # a pointer passed as None specialises to a constexpr, as at a launch
+    constexprs = {**constexprs, **{n: None for n, v in args.items() if v is None}}
+    args = {n: v for n, v in args.items() if v is not None}
     missing = set(names) - set(args) - set(constexprs)
     assert not missing, f"no value for {sorted(missing)}"
     signature = {n: "constexpr" if n in constexprs else mangle_type(args[n]) for n in names}
@@ -131,21 +136,25 @@ def _compile_paged(page_size: int):
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs))
 
 
-def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int):
+def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, split: int):
     import torch
 
     from tilekernels.norm import _gluon, _kernels
 
-    M, N = 64, 16384
+    M, block_n = 64, 16384 if split < 4 else 8192
+    N = block_n * split
     x = torch.empty(M, N, dtype=torch.bfloat16)
     vector, stats = torch.empty(N, dtype=torch.bfloat16), torch.empty(M)
     part = torch.empty(4, N)
     args = dict(x_ptr=x, xbias_ptr=vector, dy_ptr=x, ds_ptr=x, w_ptr=vector, mean_ptr=stats, rstd_ptr=stats, dx_ptr=x,
                 dw_part_ptr=part, db_part_ptr=part, M=M, N=N, stride_xm=N, stride_dym=N, stride_dsm=N)
     layer = norm == "layer"
-    return _compile_sm90(_gluon._row_backward_smem, args, dict(
-        NORM=_kernels.NORMS[norm], HAS_W=True, HAS_XBIAS=layer, HAS_DS=True, WANT_DW=True, WANT_DB=layer,
-        PREFETCH=prefetch, BLOCK_N=N, VEC=vec), num_warps=num_warps)
+    switches = dict(NORM=_kernels.NORMS[norm], HAS_W=True, HAS_XBIAS=layer, HAS_DS=True, WANT_DW=True, WANT_DB=layer,
+                    BLOCK_N=block_n, VEC=vec)
+    if split > 1:
+        args.update(xchg_ptr=torch.zeros(M, split, 2, dtype=torch.int64), max_spins=100)
+        return _compile_sm90(_gluon._row_backward_split, args, dict(switches, SPLIT=split), num_warps=num_warps)
+    return _compile_sm90(_gluon._row_backward_smem, args, dict(switches, PREFETCH=prefetch), num_warps=num_warps)
 
 
 def _main() -> None:

@@ -35,7 +35,8 @@ computes dx and the block's dw/db sums: registers hold one block of dw/db instea
 (Keeping the own block in registers through the sums instead spilled: 0.14 of copy bandwidth at
 N = 32768 against 0.46.) On a GPU, rows of 16384 columns take the Gluon backward instead
 (``_gluon._row_backward_smem``): whole rows per program, dw/db sums in shared memory, the next row
-copied in by cp.async (``SMEM_BACKWARD_CONFIGS``).
+copied in by cp.async; rows up to 65536 columns the same with 2 or 4 programs per row that exchange
+their parts of the row sums (``_gluon._row_backward_split``; ``SMEM_BACKWARD_CONFIGS``).
 
 int8 rounding is half to even, as ``torch.round``: adding 1.5 * 2^23 to |v| <= 127 leaves an fp32
 value with no fractional bits, rounded by the FPU in its default (nearest-even) mode, whose low byte is
@@ -729,6 +730,8 @@ class SmemBackwardConfig:
     prefetch: int = 2
     vec: int = 4             # columns per thread per access
     programs_per_sm: int = 1
+    # programs per row, each with its own columns (a power of two): they exchange their parts of the row sums
+    split: int = 1
 
 
 # (power-of-two width, norm) -> SmemBackwardConfig: the widths where the Gluon backward
@@ -736,11 +739,17 @@ class SmemBackwardConfig:
 # (bf16, launch_backward timed, 3 interleaved rounds, fractions of copy bandwidth, benchmarks/NOTES.md):
 # at 16384 layer 0.825 with 32 warps and 16-byte accesses against 0.57 for the Triton kernel, rms 0.91
 # against 0.75. Not at 4096 / 8192, where the Triton kernel measured level or ahead (layer 0.85-0.91
-# against 0.73-0.89), nor at 32768: dw alone is 128 KiB there, the next row does not fit beside it, and
-# holding it in registers spilled (rms 0.04-0.44 against 0.77).
+# against 0.73-0.89). Wider rows do not fit one program (dw alone is 128 KiB at 32768), so 2 or 4
+# programs share each row (``split``, ``_gluon._row_backward_split``), 16384 columns each: at 32768 layer
+# 0.69-0.71 and rms 0.82 against 0.47 / 0.77 for the Triton kernel, at 65536 0.64 / 0.76 against 0.34 /
+# 0.54. Programs of 8192 columns (split 4 at 32768, two per SM) measured 0.49-0.63; 32 warps 0.49-0.81.
 SMEM_BACKWARD_CONFIGS = {
     (16384, "layer"): SmemBackwardConfig(32, vec=8),
     (16384, "rms"): SmemBackwardConfig(16, vec=8),
+    (32768, "layer"): SmemBackwardConfig(16, vec=8, split=2),
+    (32768, "rms"): SmemBackwardConfig(16, vec=8, split=2),
+    (65536, "layer"): SmemBackwardConfig(16, vec=8, split=4),
+    (65536, "rms"): SmemBackwardConfig(16, vec=8, split=4),
 }
 
 # tests and sweeps: {"forward": RowConfig, "backward": RowConfig, "smem_backward": SmemBackwardConfig, or None

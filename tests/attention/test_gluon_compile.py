@@ -149,12 +149,10 @@ def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, s
     args = dict(x_ptr=x, xbias_ptr=vector, dy_ptr=x, ds_ptr=x, w_ptr=vector, mean_ptr=stats, rstd_ptr=stats, dx_ptr=x,
                 dw_part_ptr=part, db_part_ptr=part, M=M, N=N, stride_xm=N, stride_dym=N, stride_dsm=N)
     layer = norm == "layer"
-    switches = dict(NORM=_kernels.NORMS[norm], HAS_W=True, HAS_XBIAS=layer, HAS_DS=True, WANT_DW=True, WANT_DB=layer,
-                    BLOCK_N=block_n, VEC=vec)
-    if split > 1:
-        args.update(xchg_ptr=torch.zeros(M, split, 2, dtype=torch.int64), max_spins=100)
-        return _compile_sm90(_gluon._row_backward_split, args, dict(switches, SPLIT=split), num_warps=num_warps)
-    return _compile_sm90(_gluon._row_backward_smem, args, dict(switches, PREFETCH=prefetch), num_warps=num_warps)
+    return _compile_sm90(_gluon._row_backward_smem, dict(
+        args, xchg_ptr=torch.zeros(M, split, 2, dtype=torch.int64) if split > 1 else None, max_spins=100), dict(
+        NORM=_kernels.NORMS[norm], HAS_W=True, HAS_XBIAS=layer, HAS_DS=True, WANT_DW=True, WANT_DB=layer,
+        PREFETCH=prefetch, BLOCK_N=block_n, VEC=vec, SPLIT=split), num_warps=num_warps)
 
 
 def _main() -> None:

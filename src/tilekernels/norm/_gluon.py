@@ -20,7 +20,7 @@ to run. The shared-memory accumulators are loaded and stored in the register lay
 each thread reads back only what it wrote.
 
 Shared memory bounds it: dw and db of a 16384-column row are 128 KiB and the staged bf16 row 64 KiB.
-Wider rows are shared (``_row_backward_split``): ``SPLIT`` programs each own ``N / SPLIT`` columns of
+Wider rows are shared (``SPLIT`` > 1): ``SPLIT`` programs each own ``N / SPLIT`` columns of
 a group's rows, with their sums in shared memory as above, and exchange their parts of each row's two
 sums through global memory (one int64 word per sum, the value's bits with a "here" bit above them, in
 a ``[M, SPLIT, 2]`` buffer zeroed per call), adding them in part order, so dx, dw and db are
@@ -55,12 +55,11 @@ SMEM_BYTES = 200 * 1024   # of the 227 KiB an H100 program may have, leaving roo
 max_spins = 1 << 16
 
 
-def smem_backward_bytes(block_n: int, want_dw: bool, want_db: bool, prefetch: int, x_dtype, dy_dtype,
-                        split: int = 1) -> int:
+def smem_backward_bytes(block_n: int, want_dw: bool, want_db: bool, prefetch: int, x_dtype, dy_dtype) -> int:
     """Shared memory a program allocates beyond the reductions' scratch (``block_n``: its columns): the fp32
-    sums and the staged row (always, with ``split`` > 1)."""
-    stages = 1 if split > 1 or prefetch == 2 else 0
-    return 4 * block_n * (int(want_dw) + int(want_db)) + stages * block_n * (x_dtype.itemsize + dy_dtype.itemsize)
+    sums and the staged row."""
+    stage = block_n * (x_dtype.itemsize + dy_dtype.itemsize) if prefetch == 2 else 0
+    return 4 * block_n * (int(want_dw) + int(want_db)) + stage
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -81,10 +80,10 @@ def smem_backward_applies(x: torch.Tensor, dy: torch.Tensor, ds, config, block_n
         return False
     if any(t is not None and t.shape[1] > 1 and t.stride(1) != 1 for t in (x, dy, ds)):
         return False
-    if (config.prefetch == 2 or config.split > 1) and not (x.shape[1] % 16 == 0 and _aligned(x) and _aligned(dy)):
+    if config.prefetch == 2 and not (x.shape[1] % 16 == 0 and _aligned(x) and _aligned(dy)):
         return False
-    return smem_backward_bytes(block_n // config.split, want_dw, want_db, config.prefetch, x.dtype, dy.dtype,
-                               config.split) <= SMEM_BYTES
+    return smem_backward_bytes(block_n // config.split, want_dw, want_db, config.prefetch, x.dtype,
+                               dy.dtype) <= SMEM_BYTES
 
 
 if HAVE_GLUON:
@@ -190,22 +189,16 @@ if HAVE_GLUON:
         return _unword(w0), _unword(w1), spins_left
 
     @gluon.jit
-    def _row_backward_split(x_ptr, xbias_ptr, dy_ptr, ds_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-                            db_part_ptr, xchg_ptr, M, N, stride_xm, stride_dym, stride_dsm, max_spins,
-                            NORM: gl.constexpr, HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr, HAS_DS: gl.constexpr,
-                            WANT_DW: gl.constexpr, WANT_DB: gl.constexpr, BLOCK_N: gl.constexpr, VEC: gl.constexpr,
-                            SPLIT: gl.constexpr):
-        """Rows of ``SPLIT * BLOCK_N`` columns or fewer, each shared by ``SPLIT`` programs (a group), each
-        program ``BLOCK_N`` columns of the group's rows with their dw/db sums in shared memory. A row's dx
-        needs the whole row's sums, so each program publishes its part's two (``_word``) and reads the
-        others' (``_partner_sums``)::
-
-            for row in the group's rows:
-                x, dy of this row's part                  (registers; the next row's by cp.async)
-                xhat, g, the part's sums -> published     (two programs: the partner's words loaded)
-                dw_smem += dy * xhat;  db_smem += dy      (while the partners' sums come)
-                the row's sums, added in part order -> dx stored
-        """
+    def _row_backward_smem(x_ptr, xbias_ptr, dy_ptr, ds_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
+                           db_part_ptr, xchg_ptr, M, N, stride_xm, stride_dym, stride_dsm, max_spins,
+                           NORM: gl.constexpr, HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr, HAS_DS: gl.constexpr,
+                           WANT_DW: gl.constexpr, WANT_DB: gl.constexpr, PREFETCH: gl.constexpr,
+                           BLOCK_N: gl.constexpr, VEC: gl.constexpr, SPLIT: gl.constexpr):
+        """``SPLIT`` programs (a group; 1 for rows of ``BLOCK_N`` columns or fewer) share the group's rows,
+        each ``BLOCK_N`` columns of them (``cols``). With ``SPLIT > 1`` a program
+        publishes its part's two row sums (``_word``), updates dw/db while its partners' come (two programs:
+        the partner's words are loaded before that update), and adds all parts' sums in part order
+        (``_partner_sums``) before its dx."""
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
         smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         pid = gl.program_id(0)
@@ -221,38 +214,51 @@ if HAVE_GLUON:
             dw_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
         if WANT_DB:
             db_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
-        x_stage = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
-        dy_stage = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
-        _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, group, M, cols, mask_n, stride_xm, stride_dym)
+        if PREFETCH == 2:   # the next row waits in shared memory, copied there by cp.async
+            x_stage = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
+            dy_stage = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
+            _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, group, M, cols, mask_n, stride_xm, stride_dym)
+        elif PREFETCH == 1:   # in registers
+            x_next, dy_next = _load_row(x_ptr, dy_ptr, group, M, cols, mask_n, stride_xm, stride_dym)
         spins_left = max_spins
         for row in range(group, M, groups):
-            async_copy.wait_group(0)
-            x = x_stage.load(layout)
-            dy = dy_stage.load(layout)
-            _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, row + groups, M, cols, mask_n, stride_xm, stride_dym)
+            if PREFETCH == 2:
+                async_copy.wait_group(0)
+                x = x_stage.load(layout)
+                dy = dy_stage.load(layout)
+                _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, row + groups, M, cols, mask_n, stride_xm, stride_dym)
+            elif PREFETCH == 1:
+                x = x_next
+                dy = dy_next
+                x_next, dy_next = _load_row(x_ptr, dy_ptr, row + groups, M, cols, mask_n, stride_xm, stride_dym)
+            else:
+                x, dy = _load_row(x_ptr, dy_ptr, row, M, cols, mask_n, stride_xm, stride_dym)
             rstd = gl.load(rstd_ptr + row)
-            xhat, g, own_gx, own_g = _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM,
+            xhat, g, sum_gx, sum_g = _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM,
                                                 HAS_W, HAS_XBIAS)
-            words = xchg_ptr + row.to(gl.int64) * (2 * SPLIT)
-            gl.atomic_xchg(words + 2 * part, _word(own_gx), sem="relaxed", scope="gpu")
-            gl.atomic_xchg(words + 2 * part + 1, _word(own_g), sem="relaxed", scope="gpu")
-            if SPLIT == 2:   # the partner's words: the loads overlap the dw/db update
-                w0, w1 = _load_words(words + 2 * (1 - part), spins_left)
-            _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
-            sum_gx = 0.0
-            sum_g = 0.0
-            for other in gl.static_range(SPLIT):
-                if other == part:
-                    part_gx = own_gx
-                    part_g = own_g
-                else:
-                    if SPLIT > 2:
-                        w0, w1 = _load_words(words + 2 * other, spins_left)
-                    part_gx, part_g, spins_left = _partner_sums(
-                        w0, w1, words + 2 * other, x_ptr, dy_ptr, xbias_ptr, w_ptr, mean_ptr, row, rstd, other, M, N,
-                        stride_xm, stride_dym, spins_left, layout, NORM, HAS_W, HAS_XBIAS, BLOCK_N)
-                sum_gx += part_gx
-                sum_g += part_g
+            if SPLIT > 1:
+                own_gx = sum_gx
+                own_g = sum_g
+                words = xchg_ptr + row.to(gl.int64) * (2 * SPLIT)
+                gl.atomic_xchg(words + 2 * part, _word(own_gx), sem="relaxed", scope="gpu")
+                gl.atomic_xchg(words + 2 * part + 1, _word(own_g), sem="relaxed", scope="gpu")
+                if SPLIT == 2:   # the partner's words: the loads overlap the dw/db update
+                    w0, w1 = _load_words(words + 2 * (1 - part), spins_left)
+                _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
+                sum_gx = 0.0
+                sum_g = 0.0
+                for other in gl.static_range(SPLIT):
+                    if other == part:
+                        part_gx = own_gx
+                        part_g = own_g
+                    else:
+                        if SPLIT > 2:
+                            w0, w1 = _load_words(words + 2 * other, spins_left)
+                        part_gx, part_g, spins_left = _partner_sums(
+                            w0, w1, words + 2 * other, x_ptr, dy_ptr, xbias_ptr, w_ptr, mean_ptr, row, rstd, other, M,
+                            N, stride_xm, stride_dym, spins_left, layout, NORM, HAS_W, HAS_XBIAS, BLOCK_N)
+                    sum_gx += part_gx
+                    sum_g += part_g
             if NORM == NORM_LAYER:
                 dx = (g - xhat * (sum_gx / N) - sum_g / N) * rstd
             else:
@@ -260,65 +266,11 @@ if HAVE_GLUON:
             if HAS_DS:
                 dx += gl.load(ds_ptr + row.to(gl.int64) * stride_dsm + cols, mask=mask_n, other=0.0).to(gl.float32)
             gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask_n)
-        async_copy.wait_group(0)   # the last copy (of no row: masked) lands before the program exits
-        part_row = group.to(gl.int64) * N
-        if WANT_DW:
-            gl.store(dw_part_ptr + part_row + cols, dw_smem.load(layout), mask=mask_n)
-        if WANT_DB:
-            gl.store(db_part_ptr + part_row + cols, db_smem.load(layout), mask=mask_n)
-
-    @gluon.jit
-    def _row_backward_smem(x_ptr, xbias_ptr, dy_ptr, ds_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
-                           db_part_ptr, M, N, stride_xm, stride_dym, stride_dsm,
-                           NORM: gl.constexpr, HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr, HAS_DS: gl.constexpr,
-                           WANT_DW: gl.constexpr, WANT_DB: gl.constexpr, PREFETCH: gl.constexpr,
-                           BLOCK_N: gl.constexpr, VEC: gl.constexpr):
-        layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
-        smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        cols = gl.arange(0, BLOCK_N, layout=layout)
-        mask_n = cols < N
-        zero = gl.zeros([BLOCK_N], gl.float32, layout)
-        if WANT_DW:
-            dw_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
-        if WANT_DB:
-            db_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
-        if PREFETCH == 2:   # the next row waits in shared memory, copied there by cp.async
-            x_stage = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
-            dy_stage = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
-            _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, pid, M, cols, mask_n, stride_xm, stride_dym)
-        elif PREFETCH == 1:   # in registers
-            x_next, dy_next = _load_row(x_ptr, dy_ptr, pid, M, cols, mask_n, stride_xm, stride_dym)
-        for row in range(pid, M, programs):
-            if PREFETCH == 2:
-                async_copy.wait_group(0)
-                x = x_stage.load(layout)
-                dy = dy_stage.load(layout)
-                _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, row + programs, M, cols, mask_n, stride_xm, stride_dym)
-            elif PREFETCH == 1:
-                x = x_next
-                dy = dy_next
-                x_next, dy_next = _load_row(x_ptr, dy_ptr, row + programs, M, cols, mask_n, stride_xm, stride_dym)
-            else:
-                x, dy = _load_row(x_ptr, dy_ptr, row, M, cols, mask_n, stride_xm, stride_dym)
-            rstd = gl.load(rstd_ptr + row)
-            xhat, g = _row_values(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM, HAS_W, HAS_XBIAS)
-            if NORM == NORM_LAYER:
-                sum_gx, sum_g = gl.reduce((g * xhat, g), 0, _add_pairs)
-                dx = (g - xhat * (sum_gx / N) - sum_g / N) * rstd
-            else:
-                dx = (g - xhat * (gl.sum(g * xhat, axis=0) / N)) * rstd
-            if HAS_DS:
-                dx += gl.load(ds_ptr + row.to(gl.int64) * stride_dsm + cols, mask=mask_n, other=0.0).to(gl.float32)
-            gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask_n)
-            if WANT_DW:
-                dw_smem.store(dw_smem.load(layout) + dy.to(gl.float32) * xhat)
-            if WANT_DB:
-                db_smem.store(db_smem.load(layout) + dy.to(gl.float32))
+            if SPLIT == 1:
+                _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
         if PREFETCH == 2:   # the last copy (of no row: masked) lands before the program exits
             async_copy.wait_group(0)
-        part_row = pid.to(gl.int64) * N
+        part_row = group.to(gl.int64) * N
         if WANT_DW:
             gl.store(dw_part_ptr + part_row + cols, dw_smem.load(layout), mask=mask_n)
         if WANT_DB:

@@ -36,7 +36,7 @@ computes dx and the block's dw/db sums: registers hold one block of dw/db instea
 N = 32768 against 0.46.) On a GPU, rows of 16384 columns take the Gluon backward instead
 (``_gluon._row_backward_smem``): whole rows per program, dw/db sums in shared memory, the next row
 copied in by cp.async; rows up to 65536 columns the same with 2 or 4 programs per row that exchange
-their parts of the row sums (``_gluon._row_backward_split``; ``SMEM_BACKWARD_CONFIGS``).
+their parts of the row sums (``SMEM_BACKWARD_CONFIGS``).
 
 int8 rounding is half to even, as ``torch.round``: adding 1.5 * 2^23 to |v| <= 127 leaves an fp32
 value with no fractional bits, rounded by the FPU in its default (nearest-even) mode, whose low byte is
@@ -740,7 +740,7 @@ class SmemBackwardConfig:
 # at 16384 layer 0.825 with 32 warps and 16-byte accesses against 0.57 for the Triton kernel, rms 0.91
 # against 0.75. Not at 4096 / 8192, where the Triton kernel measured level or ahead (layer 0.85-0.91
 # against 0.73-0.89). Wider rows do not fit one program (dw alone is 128 KiB at 32768), so 2 or 4
-# programs share each row (``split``, ``_gluon._row_backward_split``), 16384 columns each: at 32768 layer
+# programs share each row (``split``), 16384 columns each: at 32768 layer
 # 0.69-0.71 and rms 0.82 against 0.47 / 0.77 for the Triton kernel, at 65536 0.64 / 0.76 against 0.34 /
 # 0.54. Programs of 8192 columns (split 4 at 32768, two per SM) measured 0.49-0.63; 32 warps 0.49-0.81.
 SMEM_BACKWARD_CONFIGS = {

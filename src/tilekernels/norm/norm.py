@@ -181,13 +181,9 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
         if _gluon.smem_backward_applies(x, dy, ds, smem, block_n, want_dw, want_db):
             # row_programs groups of smem.split programs, each program one column part of the group's rows
             row_programs = max(1, min(M, smem.programs_per_sm * sm_count(device) // smem.split))
-            if smem.split > 1:
-                constexprs = dict(**switches, BLOCK_N=block_n // smem.split, VEC=smem.vec, SPLIT=smem.split)
-                rows = CachedLaunch(_gluon._row_backward_split, row_programs * smem.split, constexprs,
-                                    num_warps=smem.num_warps)
-            else:
-                rows = CachedLaunch(_gluon._row_backward_smem, row_programs, dict(
-                    **switches, PREFETCH=smem.prefetch, BLOCK_N=block_n, VEC=smem.vec), num_warps=smem.num_warps)
+            rows = CachedLaunch(_gluon._row_backward_smem, row_programs * smem.split, dict(
+                **switches, PREFETCH=smem.prefetch, BLOCK_N=block_n // smem.split, VEC=smem.vec, SPLIT=smem.split),
+                num_warps=smem.num_warps)
         else:
             config = kern.backward_config(N, norm, device)
             row_programs, split_n = kern.backward_grid(M, N, config, device)
@@ -200,14 +196,12 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
     rows, sums, row_programs = plan
     dw_part = torch.empty((row_programs, N), dtype=torch.float32, device=device) if want_dw else None
     db_part = torch.empty((row_programs, N), dtype=torch.float32, device=device) if want_db else None
-    if rows.kernel is getattr(_gluon, "_row_backward_split", None):
+    if rows.kernel is not kern._row_backward:   # the Gluon kernel: unit column strides
+        split = rows.constexprs["SPLIT"]
         # the row parts' sums, exchanged between a row's programs: a zeroed word is "not yet" (_gluon._word)
-        xchg = torch.zeros((M, rows.constexprs["SPLIT"], 2), dtype=torch.int64, device=device)
+        xchg = torch.zeros((M, split, 2), dtype=torch.int64, device=device) if split > 1 else None
         rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, xchg, M, N, x.stride(0), dy.stride(0),
               ds.stride(0) if ds is not None else 0, _gluon.max_spins), device)
-    elif rows.kernel is not kern._row_backward:   # the Gluon kernels: unit column strides
-        rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, M, N, x.stride(0), dy.stride(0),
-              ds.stride(0) if ds is not None else 0), device)
     else:
         rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, M, N, x.stride(0), x.stride(1),
               dy.stride(0), dy.stride(1), ds.stride(0) if ds is not None else 0,

@@ -491,7 +491,8 @@ if HAVE_GLUON:
                       ds_full, ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                       stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2, scale,
                       window_left, window_right, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                      EARLY_DQ: gl.constexpr = False):
         """One warpgroup: keys ``n0 + W * BLOCK_N / 2 ...``; accumulates their dK and dV over every step and
         computes columns ``W * D / 2 ...`` of each step's dQ partial."""
         HALF: gl.constexpr = BLOCK_N // 2
@@ -543,13 +544,19 @@ if HAVE_GLUON:
             ds_w.store(dsT)
             fence_async_shared()
             mbarrier.arrive(ds_full)
-            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
-            mbarrier.arrive(empty.index(s))
-            # dQ partial [BLOCK_M, DQ_N] = ds [BLOCK_M, BLOCK_N] @ K[:, W * DQ_N ...]
+            if not EARLY_DQ:
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
+                mbarrier.arrive(empty.index(s))
+            # dQ partial [BLOCK_M, DQ_N] = ds [BLOCK_M, BLOCK_N] @ K[:, W * DQ_N ...]; with EARLY_DQ queued behind
+            # dV and dK, without draining the tensor cores in between
             mbarrier.wait(ds_full, t & 1)
             zero_dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)
             dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+            if EARLY_DQ:
+                dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok))
+                mbarrier.arrive(empty.index(s))
+            else:
+                dq = warpgroup_mma_wait(0, deps=(dq_tok,))
             mbarrier.arrive(ds_free)
             b = t % 2
             mbarrier.wait(dq_free.index(b), ((t // 2) & 1) ^ 1)
@@ -657,7 +664,8 @@ if HAVE_GLUON:
                          qk_scale_log2, scale, window_left, window_right, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                         SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                         SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
+                         EARLY_DQ: gl.constexpr = False):
         """dk, dv of BLOCK_N key rows of one (sequence, KV head) and their share of dq (added into an fp32
         accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
         ``SPLIT_D``: the consumer warpgroups split the head dim instead of the keys (``_bwd_consumer_split_d``),
@@ -755,12 +763,12 @@ if HAVE_GLUON:
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT)),
+                                 HAS_RIGHT, EARLY_DQ)),
                 (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT)),
+                                 HAS_RIGHT, EARLY_DQ)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
                                  fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False)),
@@ -818,6 +826,9 @@ class HopperBwdConfig:
     worker_regs: int = 32
     block_n: int = 128
     split_d: bool = False
+    # issue each step's dQ product right behind dV and dK and wait for the three together, instead of
+    # waiting for dV and dK first (the two-consumer schedule only)
+    early_dq: bool = False
 
 
 # Keyed by (head dim, causal or windowed). Chosen on an H100 (bf16, 2026-11-23, 3 interleaved rounds of
@@ -831,8 +842,13 @@ class HopperBwdConfig:
 # H100, bf16, 4x16x4096 | 2x16x8192: full 302 | 315 TFLOP/s, causal 275 | 296, against the two-kernel
 # path's 285 | 273 and 187 | 206; with one slot and a separate dQ tile 247 | 252 and 233 | 242.
 _D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
+# ``early_dq`` (dQ's product queued behind dV and dK, one wait for all three; H100, 2026-11-23, 3 interleaved
+# rounds): D 64 causal 8x16x2048 253-259 TFLOP/s against 246-247, but D 128 0.95-0.96x of the default
+# (4x16x4096 full and causal, 2x16x8192 causal), so it is on for D 64 only. D 64 in a second run (medians):
+# causal 2 slots 221, with early_dq 249, 3 slots 258, 4 slots 257; full 316-321 against the two kernels' 320,
+# so D 64 full keeps the two kernels.
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
-                      (64, True): HopperBwdConfig(64, 2), (256, False): _D256, (256, True): _D256}
+                      (64, True): HopperBwdConfig(64, 3, early_dq=True), (256, False): _D256, (256, True): _D256}
 
 
 def hopper_bwd_config(head_dim: int, masked: bool) -> HopperBwdConfig:
@@ -892,7 +908,7 @@ def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> No
             prob.softmax_scale, window_left, window_right, HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0,
             HAS_RIGHT=prob.window_right >= 0, SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
-            WORKER_REGS=cfg.worker_regs, num_warps=4,
+            WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, num_warps=4,
         )
     torch.mul(dq_acc, prob.softmax_scale, out=dq)
 

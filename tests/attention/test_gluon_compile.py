@@ -23,6 +23,7 @@ import sys
 import pytest
 
 FORWARD_CASES = {"fwd-D128-causal": (128, True), "fwd-D256-full": (256, False)}
+# bwd-D64-full compiles the D 64 entry (3 ring slots, early_dq); bwd-D128-causal the default step order
 BACKWARD_CASES = {"bwd-D128-causal": (128, True), "bwd-D64-full": (64, False), "bwd-D256-causal": (256, True),
                   "bwd-D256-window": (256, "window")}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
@@ -106,7 +107,7 @@ def _compile_backward(head_dim: int, causal: bool):
     return _compile_sm90(_bwd._attn_bwd_hopper, args, dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=True,
         HAS_LEFT=window, HAS_RIGHT=bool(causal), SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
-        WORKER_REGS=cfg.worker_regs))
+        WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq))
 
 
 def _compile_paged(page_size: int):

@@ -410,8 +410,9 @@ def test_gpu_dynamic_and_smooth_quant(dtype, quant_dtype, M, N, layout, device, 
 @gpu
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=["ids-int32", "ids-int64"])
-def test_gpu_moe_smooth_quant(id_dtype, quant_dtype, device, poison_allocations):
-    T, H, E, k = 2048, 4096, 64, 4
+@pytest.mark.parametrize("H", [4096, 32768])   # one program per row; a persistent loop that prefetches
+def test_gpu_moe_smooth_quant(H, id_dtype, quant_dtype, device, poison_allocations):
+    T, E, k = 2048, 64, 4
     x = rows(T, H, torch.bfloat16, device)
     smooth_scale = torch.rand(E, H, device=device) + 0.5
     topk_ids = routing(T, k, E, id_dtype, device)

@@ -139,12 +139,15 @@ def _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask, stride_xn, stride_rn
 def _tile_input(tile, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm, stride_xn, stride_rm,
                 stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL: tl.constexpr, TOPK: tl.constexpr,
                 BLOCK_M: tl.constexpr):
-    """x and the residual of whole-row tile ``tile`` (``_load_input``; nothing past M)."""
+    """x and the residual of whole-row tile ``tile`` (``_load_input``; nothing past M), and its rows' valid
+    flags and smooth-scale row offsets (``_forward_rows``): MoE's expert ids come with the prefetched rows,
+    so the next tile's expert rows can be read without first waiting for its ids."""
     rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
         tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, TOPK,
         BLOCK_M)
-    return _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :], stride_xn,
-                       stride_rn, HAS_RESIDUAL)
+    x, res = _load_input(x_ptr, res_ptr, x_row, res_row, cols, mask_m[:, None] & mask_n[None, :], stride_xn,
+                         stride_rn, HAS_RESIDUAL)
+    return x, res, valid, smooth_row
 
 
 @triton.jit
@@ -282,20 +285,28 @@ def _row_scales(amax, valid, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr, y_ptr, q_ptr,
-                   scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_rm, stride_sm,
-                   stride_tk_t, stride_tk_j, eps, NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                   HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
-                   TOPK: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
+def _one_pass_tile(tile, x, res, valid, smooth_row, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr,
+                   y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm, stride_rm,
+                   stride_sm, stride_tk_t, stride_tk_j, eps, NORM: tl.constexpr, HAS_W: tl.constexpr,
+                   HAS_B: tl.constexpr, HAS_XBIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                   QMAX: tl.constexpr, TOPK: tl.constexpr, STORE_Y: tl.constexpr, STORE_STATS: tl.constexpr,
                    PRELOADED: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row tile ``tile`` of whole rows, its x and residual already loaded (``_load_input``). The
+    """Row tile ``tile`` of whole rows, its x and residual already loaded (``_tile_input``, which also gives
+    the rows' valid flags and expert rows: used by the persistent loop, ``PRELOADED``). The
     weight, bias, x_bias and smooth-scale vectors come preloaded (``PRELOADED``, the persistent loop) or
     are loaded here where they are first used: held from the start, weight and bias cost one row's
     worth of registers during the statistics (layer_norm at 16384 columns fell from ~0.95 to 0.75 of
     copy bandwidth)."""
-    rows, mask_m, valid, smooth_row, x_row, res_row, out_row = _forward_rows(
+    rows, mask_m, tile_valid, tile_smooth_row, x_row, res_row, out_row = _forward_rows(
         tile, M, N, T, num_experts, topk_ptr, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, TOPK,
         BLOCK_M)
+    if not PRELOADED:
+        # one tile per program: the expert ids loaded here (the caller's copies are dead), which keeps the
+        # code of before the ids came with x: ptxas issues all of x's and the expert rows' loads in one burst.
+        # With the caller's ids it spread them between the arithmetic, as in a variant that measured 0.78 of
+        # copy bandwidth against 0.82 for MoE at 4096 columns (benchmarks/NOTES.md).
+        valid = tile_valid
+        smooth_row = tile_smooth_row
     cols = tl.arange(0, BLOCK_N)
     mask_n = _column_mask(cols, N, EVEN_N)
     mask = mask_m[:, None] & mask_n[None, :]
@@ -456,15 +467,15 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
         cols = tl.arange(0, BLOCK_N)
         mask_n = _column_mask(cols, N, EVEN_N)
         if not PERSISTENT:
-            x, res = _tile_input(pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm,
-                                 stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL,
-                                 TOPK, BLOCK_M)
+            x, res, valid, srow = _tile_input(pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts,
+                                              stride_xm, stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t,
+                                              stride_tk_j, HAS_RESIDUAL, TOPK, BLOCK_M)
             unused = mask_n.to(tl.float32)   # the vectors are loaded where they are used
-            _one_pass_tile(pid, x, res, unused, unused, unused, unused, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr,
-                           y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
-                           stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS,
-                           HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, False, EVEN_N, BLOCK_M,
-                           BLOCK_N)
+            _one_pass_tile(pid, x, res, valid, srow, unused, unused, unused, unused, w_ptr, b_ptr, xbias_ptr,
+                           smooth_ptr, topk_ptr, y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T,
+                           num_experts, stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W,
+                           HAS_B, HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, False, EVEN_N,
+                           BLOCK_M, BLOCK_N)
         else:
             w = _vector(w_ptr, cols, mask_n, HAS_W)
             b = _vector(b_ptr, cols, mask_n, HAS_B)
@@ -472,24 +483,28 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
             smooth = _smooth_vector(smooth_ptr, cols, mask_n, QUANT, TOPK)
             step = tl.num_programs(0)
             if PREFETCH:
-                x_next, res_next = _tile_input(pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts,
-                                               stride_xm, stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t,
-                                               stride_tk_j, HAS_RESIDUAL, TOPK, BLOCK_M)
+                x_next, res_next, valid_next, srow_next = _tile_input(
+                    pid, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm, stride_xn,
+                    stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL, TOPK, BLOCK_M)
             for tile in range(pid, tl.cdiv(M, BLOCK_M), step):
                 if PREFETCH:
                     x = x_next
                     res = res_next
-                    x_next, res_next = _tile_input(tile + step, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T,
-                                                   num_experts, stride_xm, stride_xn, stride_rm, stride_rn, stride_sm,
-                                                   stride_tk_t, stride_tk_j, HAS_RESIDUAL, TOPK, BLOCK_M)
+                    valid = valid_next
+                    srow = srow_next
+                    x_next, res_next, valid_next, srow_next = _tile_input(
+                        tile + step, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm,
+                        stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL, TOPK,
+                        BLOCK_M)
                 else:
-                    x, res = _tile_input(tile, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T, num_experts, stride_xm,
-                                         stride_xn, stride_rm, stride_rn, stride_sm, stride_tk_t, stride_tk_j,
-                                         HAS_RESIDUAL, TOPK, BLOCK_M)
-                _one_pass_tile(tile, x, res, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr, topk_ptr, y_ptr,
-                               q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts, stride_xm,
-                               stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B, HAS_XBIAS,
-                               HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, True, EVEN_N,
+                    x, res, valid, srow = _tile_input(tile, x_ptr, res_ptr, topk_ptr, cols, mask_n, M, N, T,
+                                                      num_experts, stride_xm, stride_xn, stride_rm, stride_rn,
+                                                      stride_sm, stride_tk_t, stride_tk_j, HAS_RESIDUAL, TOPK,
+                                                      BLOCK_M)
+                _one_pass_tile(tile, x, res, valid, srow, w, b, xb, smooth, w_ptr, b_ptr, xbias_ptr, smooth_ptr,
+                               topk_ptr, y_ptr, q_ptr, scale_ptr, sum_ptr, mean_ptr, rstd_ptr, M, N, T, num_experts,
+                               stride_xm, stride_rm, stride_sm, stride_tk_t, stride_tk_j, eps, NORM, HAS_W, HAS_B,
+                               HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, True, EVEN_N,
                                BLOCK_M, BLOCK_N)
     else:
         for tile in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
@@ -699,10 +714,14 @@ MIN_TILE_ELEMENTS = 2048
 #   with 8), 16 warps in two persistent programs per SM at 16384 (0.68-0.72 against 0.67 with 8), a
 #   persistent program per SM with prefetch at 32768 (0.69). Every row re-reads its expert's fp32
 #   smooth row (twice the bytes of x) from L2; whether L2 bandwidth is the limit there is not shown yet.
+#   Since the prefetch carries the next tile's expert ids with its x (the expert rows no longer wait for
+#   the ids), 16 warps prefetching in one persistent program per SM lead at 32768: 0.734-0.741 against
+#   0.695-0.703 with 32 warps (H100, 2026-11-23, 3 rounds each in two runs); at 16384 prefetching
+#   measured 0.63-0.67 against 0.72-0.73 for the table's choice.
 TUNED_FORWARD = {
     "smooth": {4096: (None, 4, True), 8192: (None, 4, True), 16384: (16, None, False), 32768: (16, 1, False)},
     "dynamic": {32768: (None, 2, True)},
-    "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (32, 1, True)},
+    "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (16, 1, True)},
 }
 
 # Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and

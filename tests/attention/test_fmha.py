@@ -644,6 +644,16 @@ def test_bad_input(build, match, device):
         fn(*args, **kwargs)
 
 
+def test_hopper_backward_config_rejects_early_dq_with_split_d():
+    """early_dq reorders the two-consumer schedule's waits; the head-dim-split schedule has no such step,
+    so a config asking for both is refused instead of silently ignoring early_dq."""
+    from tilekernels.attention._bwd import HopperBwdConfig
+
+    assert HopperBwdConfig(64, 3, early_dq=True).early_dq
+    with pytest.raises(ValueError, match="early_dq"):
+        HopperBwdConfig(64, 2, block_n=64, split_d=True, early_dq=True)
+
+
 # ====================================================================================================
 # GPU lane (-m gpu): real sizes, every head dim, CUDA graphs, no host synchronisation
 

@@ -492,7 +492,7 @@ if HAVE_GLUON:
                       stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2, scale,
                       window_left, window_right, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      EARLY_DQ: gl.constexpr = False):
+                      EARLY_DQ: gl.constexpr):
         """One warpgroup: keys ``n0 + W * BLOCK_N / 2 ...``; accumulates their dK and dV over every step and
         computes columns ``W * D / 2 ...`` of each step's dQ partial."""
         HALF: gl.constexpr = BLOCK_N // 2
@@ -665,7 +665,7 @@ if HAVE_GLUON:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
-                         EARLY_DQ: gl.constexpr = False):
+                         EARLY_DQ: gl.constexpr):
         """dk, dv of BLOCK_N key rows of one (sequence, KV head) and their share of dq (added into an fp32
         accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
         ``SPLIT_D``: the consumer warpgroups split the head dim instead of the keys (``_bwd_consumer_split_d``),
@@ -830,6 +830,10 @@ class HopperBwdConfig:
     # waiting for dV and dK first (the two-consumer schedule only)
     early_dq: bool = False
 
+    def __post_init__(self):
+        if self.split_d and self.early_dq:
+            raise ValueError("HopperBwdConfig: early_dq applies to the two-consumer schedule, not to split_d")
+
 
 # Keyed by (head dim, causal or windowed). Chosen on an H100 (bf16, 2026-11-23, 3 interleaved rounds of
 # do_bench medians, backward only, TFLOP/s; benchmarks/NOTES.md), fused against the two-kernel path:
@@ -845,8 +849,8 @@ _D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
 # ``early_dq`` (dQ's product queued behind dV and dK, one wait for all three; H100, 2026-11-23, 3 interleaved
 # rounds): D 64 causal 8x16x2048 253-259 TFLOP/s against 246-247, but D 128 0.95-0.96x of the default
 # (4x16x4096 full and causal, 2x16x8192 causal), so it is on for D 64 only. D 64 in a second run (medians):
-# causal 2 slots 221, with early_dq 249, 3 slots 258, 4 slots 257; full 316-321 against the two kernels' 320,
-# so D 64 full keeps the two kernels.
+# causal 2 slots 221, with early_dq 249, 3 slots 258, 4 slots 257; full 308-321 for the fused variants against
+# the two kernels' 320, so D 64 full keeps the two kernels.
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
                       (64, True): HopperBwdConfig(64, 3, early_dq=True), (256, False): _D256, (256, True): _D256}
 

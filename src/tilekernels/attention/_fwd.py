@@ -432,6 +432,22 @@ if HAVE_GLUON:
                     cols.store(x)
         fence_async_shared()
 
+    # a shared buffer viewed with another dtype and shape: ``reinterpret`` in triton 3.9, ``_reinterpret`` in 3.6
+    _smem_reinterpret = (getattr(gl.shared_memory_descriptor, "reinterpret", None)
+                         or gl.shared_memory_descriptor._reinterpret)
+
+    @gluon.jit
+    def _fresh(buf, t, ON: gl.constexpr):
+        """The 2-D shared buffer ``buf``; when ``ON``, addressed through a zero index that the compiler cannot see
+        (inline asm on the loop counter ``t``). A loop-invariant wgmma operand's descriptors are otherwise hoisted
+        out of the loop, and where registers are short ptxas spills them and reloads them from local memory right
+        before the products; behind the opaque index they are rebuilt in each step from a few integer operations."""
+        if ON:
+            z = gl.inline_asm_elementwise("and.b32 $0, $1, 0;", "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1)
+            return _smem_reinterpret(buf, buf.dtype, [1, buf.shape[0], buf.shape[1]], buf.layout).index(z)
+        else:
+            return buf
+
     @gluon.jit
     def _fa3_producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
                       v_fix, q_row, q_col, kv_row, kv_col, lo, n_blocks, seqlen_k,

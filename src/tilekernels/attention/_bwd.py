@@ -605,9 +605,11 @@ if HAVE_GLUON:
             lse2, delta = _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q)
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             zero_s = gl.zeros([BLOCK_N, QH], gl.float32, s_layout)
-            s_tok = warpgroup_mma(_fresh(k_smem, t, (OPAQUE & 2) != 0), q.slice(W * QH, QH, dim=0).permute((1, 0)),
-                                  zero_s, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(_fresh(v_smem, t, (OPAQUE & 2) != 0), do.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
+            k_op = _fresh(k_smem, t, (OPAQUE & 2) != 0)
+            s_tok = warpgroup_mma(k_op, q.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
+                                  is_async=True)
+            v_op = _fresh(v_smem, t, (OPAQUE & 2) != 0)
+            dp_tok = warpgroup_mma(v_op, do.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
             sT = warpgroup_mma_wait(1, deps=(s_tok,))
             pT = _bwd_probs_t(sT, lse2, k_pos, q_pos, n0, n0 + BLOCK_N - 1, mw, mw + QH - 1, keys_whole, seqlen_k, diag,
@@ -851,8 +853,13 @@ _D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
 # (4x16x4096 full and causal, 2x16x8192 causal), so it is on for D 64 only. D 64 in a second run (medians):
 # causal 2 slots 221, with early_dq 249, 3 slots 258, 4 slots 257; full 308-321 for the fused variants against
 # the two kernels' 320, so D 64 full keeps the two kernels.
+# ``opaque`` (H100, 2026-11-23, 3 interleaved rounds, TFLOP/s, opaque 0 / 2 / 3): D 128 4x16x4096 full 402 / 484 /
+# 440, causal 322 / 406 / 391, 1x16x16384 causal 388 / 490 / 497; D 256 full 306 / 357 / 365, causal 276 / 345
+# / 338. D 64 causal (36-52 bytes of spill stores) 219 / 216 / 236 in rounds spread over 150-264, so it keeps
+# the old addressing; D 64 full fused with opaque 2 measured 324 against the two kernels' 324.
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
-                      (64, True): HopperBwdConfig(64, 3, early_dq=True, opaque=0), (256, False): _D256, (256, True): _D256}
+                      (64, True): HopperBwdConfig(64, 3, early_dq=True, opaque=0),
+                      (256, False): _D256, (256, True): _D256}
 
 
 def hopper_bwd_config(head_dim: int, masked: bool) -> HopperBwdConfig:

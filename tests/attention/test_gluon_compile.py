@@ -107,7 +107,7 @@ def _compile_backward(head_dim: int, causal: bool):
     return _compile_sm90(_bwd._attn_bwd_hopper, args, dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=True,
         HAS_LEFT=window, HAS_RIGHT=bool(causal), SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
-        WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, OPAQUE=cfg.opaque))
+        WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv))
 
 
 def _compile_paged(page_size: int):

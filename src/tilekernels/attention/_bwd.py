@@ -488,7 +488,7 @@ if HAVE_GLUON:
                       stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2, scale,
                       window_left, window_right, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      EARLY_DQ: gl.constexpr, OPAQUE: gl.constexpr):
+                      EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr):
         """One warpgroup: keys ``n0 + W * BLOCK_N / 2 ...``; accumulates their dK and dV over every step and
         computes columns ``W * D / 2 ...`` of each step's dQ partial."""
         HALF: gl.constexpr = BLOCK_N // 2
@@ -503,6 +503,7 @@ if HAVE_GLUON:
         dtype: gl.constexpr = k_smem.dtype
 
         nw0 = n0 + W * HALF
+        k_cols = k_smem.slice(W * DQ_N, DQ_N, dim=1)
         ds_w = ds_smem.slice(W * HALF, HALF, dim=0)
         k_pos = nw0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
         diag = seqlen_k - seqlen_q
@@ -521,8 +522,8 @@ if HAVE_GLUON:
             lse2, delta = _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q)
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
-            k_w = _fresh(k_smem, t, (OPAQUE & 2) != 0).slice(W * HALF, HALF, dim=0)
-            v_w = _fresh(v_smem, t, (OPAQUE & 2) != 0).slice(W * HALF, HALF, dim=0)
+            k_w = _fresh(k_smem, t, FRESH_KV).slice(W * HALF, HALF, dim=0)
+            v_w = _fresh(v_smem, t, FRESH_KV).slice(W * HALF, HALF, dim=0)
             s_tok = warpgroup_mma(k_w, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v_w, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             sT = warpgroup_mma_wait(1, deps=(s_tok,))
@@ -546,7 +547,6 @@ if HAVE_GLUON:
             # dV and dK, without draining the tensor cores in between
             mbarrier.wait(ds_full, t & 1)
             zero_dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)
-            k_cols = _fresh(k_smem, t, (OPAQUE & 1) != 0).slice(W * DQ_N, DQ_N, dim=1)
             dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
             if EARLY_DQ:
                 dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok))
@@ -569,7 +569,7 @@ if HAVE_GLUON:
                               stride_dks, stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k,
                               qk_scale_log2, scale, window_left, window_right, HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OPAQUE: gl.constexpr):
+                              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, FRESH_KV: gl.constexpr):
         """One warpgroup of the head-dim-split schedule (head dim 256, where one warpgroup cannot hold dK and dV
         of 64 keys): scores for query rows ``W * BLOCK_M / 2 ...`` of each step against all BLOCK_N keys, and
         columns ``W * D / 2 ...`` of dK, dV (accumulated over the steps) and of each step's dQ partial. p and
@@ -586,6 +586,7 @@ if HAVE_GLUON:
         dtype: gl.constexpr = k_smem.dtype
 
         k_pos = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        k_cols = k_smem.slice(W * DH, DH, dim=1)
         p_rows = p_smem.slice(W * QH, QH, dim=0).permute((1, 0))
         ds_rows = ds_smem.slice(W * QH, QH, dim=0).permute((1, 0))
         diag = seqlen_k - seqlen_q
@@ -605,10 +606,10 @@ if HAVE_GLUON:
             lse2, delta = _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q)
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             zero_s = gl.zeros([BLOCK_N, QH], gl.float32, s_layout)
-            k_op = _fresh(k_smem, t, (OPAQUE & 2) != 0)
+            k_op = _fresh(k_smem, t, FRESH_KV)
             s_tok = warpgroup_mma(k_op, q.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
                                   is_async=True)
-            v_op = _fresh(v_smem, t, (OPAQUE & 2) != 0)
+            v_op = _fresh(v_smem, t, FRESH_KV)
             dp_tok = warpgroup_mma(v_op, do.slice(W * QH, QH, dim=0).permute((1, 0)), zero_s, use_acc=False,
                                    is_async=True)
             sT = warpgroup_mma_wait(1, deps=(s_tok,))
@@ -627,7 +628,6 @@ if HAVE_GLUON:
             dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do.slice(W * DH, DH, dim=1), dv, is_async=True)
             dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q.slice(W * DH, DH, dim=1), dk, is_async=True)
             zero_dq = gl.zeros([BLOCK_M, DH], gl.float32, o_layout)
-            k_cols = _fresh(k_smem, t, (OPAQUE & 1) != 0).slice(W * DH, DH, dim=1)
             dq_tok = warpgroup_mma(ds_smem, k_cols, zero_dq, use_acc=False, is_async=True)
             dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
             mbarrier.arrive(ds_free)
@@ -663,7 +663,7 @@ if HAVE_GLUON:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
-                         EARLY_DQ: gl.constexpr, OPAQUE: gl.constexpr = 0):
+                         EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr = False):
         """dk, dv of BLOCK_N key rows of one (sequence, KV head) and their share of dq (added into an fp32
         accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
         ``SPLIT_D``: the consumer warpgroups split the head dim instead of the keys (``_bwd_consumer_split_d``),
@@ -742,12 +742,12 @@ if HAVE_GLUON:
                                          empty, ds_full, ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base,
                                          dv_base, stride_dks, stride_dvs, l_base, stride_lh, n0, lo, n_q, total,
                                          seqlen_q, seqlen_k, qk_scale_log2, scale, window_left, window_right, HEAD_DIM,
-                                         BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, OPAQUE)),
+                                         BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FRESH_KV)),
                 (_bwd_consumer_split_d, (1, k_smem, v_smem, q_bufs, do_bufs, p_smem, ds_smem, dq_smem, kv_bar, ready,
                                          empty, ds_full, ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base,
                                          dv_base, stride_dks, stride_dvs, l_base, stride_lh, n0, lo, n_q, total,
                                          seqlen_q, seqlen_k, qk_scale_log2, scale, window_left, window_right, HEAD_DIM,
-                                         BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, OPAQUE)),
+                                         BLOCK_M, BLOCK_N, STAGES, HAS_LEFT, HAS_RIGHT, FRESH_KV)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
                                  fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, True)),
@@ -761,12 +761,12 @@ if HAVE_GLUON:
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, OPAQUE)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV)),
                 (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, OPAQUE)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
                                  fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False)),
@@ -827,10 +827,10 @@ class HopperBwdConfig:
     # issue each step's dQ product right behind dV and dK and wait for the three together, instead of
     # waiting for dV and dK first (the two-consumer schedule only)
     early_dq: bool = False
-    # which loop-invariant shared operands the consumers address through an opaque index (``_fresh``), so that
-    # their wgmma descriptors are rebuilt in each step instead of hoisted out of the loop, spilled and reloaded
-    # right before the products: bit 1 K of the dQ product, bit 2 K and V of the score products
-    opaque: int = 2
+    # K and V of the score products addressed through an opaque index (``_fresh``), so that their wgmma
+    # descriptors are rebuilt in each step instead of hoisted out of the loop, spilled and reloaded right
+    # before the products
+    fresh_kv: bool = True
 
     def __post_init__(self):
         if self.split_d and self.early_dq:
@@ -853,12 +853,13 @@ _D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
 # (4x16x4096 full and causal, 2x16x8192 causal), so it is on for D 64 only. D 64 in a second run (medians):
 # causal 2 slots 221, with early_dq 249, 3 slots 258, 4 slots 257; full 308-321 for the fused variants against
 # the two kernels' 320, so D 64 full keeps the two kernels.
-# ``opaque`` (H100, 2026-11-23, 3 interleaved rounds, TFLOP/s, opaque 0 / 2 / 3): D 128 4x16x4096 full 402 / 484 /
-# 440, causal 322 / 406 / 391, 1x16x16384 causal 388 / 490 / 497; D 256 full 306 / 357 / 365, causal 276 / 345
-# / 338. D 64 causal (36-52 bytes of spill stores) 219 / 216 / 236 in rounds spread over 150-264, so it keeps
-# the old addressing; D 64 full fused with opaque 2 measured 324 against the two kernels' 324.
+# ``fresh_kv`` (H100, 2026-11-23, 3 interleaved rounds, TFLOP/s, off / on / on with K of the dQ product also
+# fresh): D 128 4x16x4096 full 402 / 484 / 440, causal 322 / 406 / 391, 1x16x16384 causal 388 / 490 / 497; D 256
+# full 306 / 357 / 365, causal 276 / 345 / 338. D 64 causal (36-52 bytes of spill stores) 219 / 216 / 236 in rounds
+# spread over 150-264, so it keeps the old addressing; D 64 full fused with fresh_kv measured 324 against the two
+# kernels' 324.
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
-                      (64, True): HopperBwdConfig(64, 3, early_dq=True, opaque=0),
+                      (64, True): HopperBwdConfig(64, 3, early_dq=True, fresh_kv=False),
                       (256, False): _D256, (256, True): _D256}
 
 
@@ -919,7 +920,7 @@ def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> No
             prob.softmax_scale, window_left, window_right, HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0,
             HAS_RIGHT=prob.window_right >= 0, SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
-            WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, OPAQUE=cfg.opaque, num_warps=4,
+            WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, num_warps=4,
         )
     torch.mul(dq_acc, prob.softmax_scale, out=dq)
 

@@ -338,9 +338,15 @@ def descriptor_template(view: torch.Tensor, shape, strides, block_shape):
     of the same shape, strides and alignment under it."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    template = TensorDescriptor(view, list(shape), list(strides), list(block_shape))
-    template.base = None
-    return template
+    return as_template(TensorDescriptor(view, list(shape), list(strides), list(block_shape)))
+
+
+def as_template(descriptor):
+    """A host tensor descriptor (triton's or Gluon's), already validated by its constructor, made into a
+    template for ``rebase``: it keeps no tensor (a cached plan must not keep the first call's operands
+    alive)."""
+    descriptor.base = None
+    return descriptor
 
 
 def rebase(template, view: torch.Tensor):

@@ -586,6 +586,59 @@ def test_custom_op_registration(device):
 
 
 # ----------------------------------------------------------------------------------------------------
+# the eager fast path (no dispatcher) and the launch plans it and the op share
+
+
+def _run_with_grads(problem: Problem, q, k, v, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse, _ = flash(problem, q, k, v)
+    out.backward(dout)
+    return out, lse, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+@pytest.mark.parametrize("case", [batch_case(2, 37, 53, 4, 2, 32, causal=True).param(),
+                                  varlen_case((19, 0, 40), (27, 5, 33), 4, 1, 40, window_size=(6, 3)).param()])
+def test_eager_path_and_plans(case, tma, device, monkeypatch):
+    """Plain eager calls skip the dispatcher (``_FlashAttnFunction`` with grads, the op's body without):
+    bit-equal to the torch.library op, forward and backward. A second call of the same signature on new
+    tensors reuses the launch plans (no new plan) and reads the new tensors: bit-equal to plans made
+    afresh for them. A view at another 16-byte alignment gets plans of its own."""
+    from tilekernels.attention import _bwd, _fwd, fmha
+
+    monkeypatch.setattr(_fwd, "tma_mode", tma if device.type == "cpu" else None)
+    _fwd.clear_plans()
+    _bwd.clear_plans()
+    first, second = make_problem(case, device), make_problem(case, device)
+    dout = random_tensor(first.q.shape, case.dtype, device)
+    eager = _run_with_grads(first, first.q, first.k, first.v, dout)
+    with monkeypatch.context() as m:
+        m.setattr(fmha, "plain_eager", lambda t: False)
+        through_op = _run_with_grads(first, first.q, first.k, first.v, dout)
+    for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), eager, through_op):
+        assert torch.equal(a, b), f"{case.name}: eager path and op differ in {label}"
+
+    plans = (len(_fwd._FWD_PLANS), len(_bwd._BWD_PLANS))
+    reused = _run_with_grads(second, second.q, second.k, second.v, dout)
+    assert (len(_fwd._FWD_PLANS), len(_bwd._BWD_PLANS)) == plans, "a call of the same signature made new plans"
+    _fwd.clear_plans()
+    _bwd.clear_plans()
+    fresh = _run_with_grads(second, second.q, second.k, second.v, dout)
+    for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), reused, fresh):
+        assert torch.equal(a, b), f"{case.name}: a reused plan gave another {label} than a fresh one"
+    assert not torch.equal(reused[0], eager[0]), "the second call's output is the first call's"
+
+    # q one element into a buffer: another alignment, so another plan (the TMA one would not apply)
+    plans = len(_fwd._FWD_PLANS)
+    buffer = torch.empty(second.q.numel() + 1, dtype=case.dtype, device=device)
+    shifted = buffer[1:].view(second.q.shape)
+    shifted.copy_(second.q)
+    out, lse, _ = flash(second, shifted, second.k, second.v)
+    assert len(_fwd._FWD_PLANS) == plans + 1, "a misaligned q reused the aligned call's plan"
+    assert torch.equal(out, fresh[0]) and torch.equal(lse, fresh[1]), "the misaligned q changed the result"
+
+
+# ----------------------------------------------------------------------------------------------------
 # bad inputs: a ValueError or TypeError that names the argument
 
 

@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._runtime import cast_for_store, cdiv, dot, ensure_cuda_context, is_hopper, is_interpreter
+from .._runtime import (CachedLaunch, as_template, cache_put, cast_for_store, cdiv, dot, ensure_cuda_context,
+                        is_hopper, is_interpreter, on_current_device)
+from . import _fwd
 from ._fwd import (
     FP32_PRECISION,
     HAVE_GLUON,
@@ -44,6 +46,8 @@ from ._fwd import (
     load_block,
     load_rows,
     lse_strides,
+    plan_key,
+    rebased,
     row_descriptor,
     scores_log2,
     seq_bounds,
@@ -896,42 +900,104 @@ def hopper_backward_applies(tensors, prob: Problem, deterministic: bool) -> bool
     return ok
 
 
-def _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob: Problem) -> None:
+class _BwdPlan:
+    """The backward's launches for one call signature (``_fwd.plan_key``), each a ``CachedLaunch`` or None
+    (empty grid): ``delta``; then either ``fused`` (the Gluon kernel, with descriptor templates for q, dO,
+    k, v and the fp32 dQ accumulator) or ``dkdv`` (one or two launches) and ``dq`` (with templates for the
+    operands each streams, on the TMA path); and the integer arguments of each."""
+
+    __slots__ = ("is_fused", "fused", "delta", "delta_ints", "descs", "ints", "dkdv", "dkdv_descs", "dkdv_ints", "dq",
+                 "dq_descs", "dq_ints")
+
+
+# call signature -> _BwdPlan; the config tables are read when a plan is made (``clear_plans``)
+_BWD_PLANS: dict = {}
+
+
+def clear_plans() -> None:
+    """Forget the backward's launch plans (after editing a config table)."""
+    _BWD_PLANS.clear()
+
+
+def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem) -> _BwdPlan:
+    """``dq_acc``: the fused kernel's fp32 dQ accumulator, None for the two Triton kernels."""
     varlen = prob.is_varlen
+    plan = _BwdPlan()
+    plan.is_fused = fused = dq_acc is not None
+    plan.fused = plan.dkdv = plan.dq = plan.descs = plan.dkdv_descs = plan.dq_descs = None
+    pad = head_dim_pad(prob.head_dim)
+    block = 64 if pad <= 128 else 32
+    grid = (cdiv(prob.max_seqlen_q, block), prob.batch * prob.num_heads)
+    plan.delta = CachedLaunch(_attn_bwd_delta, grid, dict(HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=block,
+                                                          IS_VARLEN=varlen), num_warps=4) if grid[0] else None
+    plan.delta_ints = (*seq_strides(out, varlen), *seq_strides(dout, varlen), *lse_strides(lse, varlen),
+                       prob.max_seqlen_q, prob.num_heads)
     masked = prob.window_left >= 0 or prob.window_right >= 0
-    cfg = hopper_config_override or hopper_bwd_config(prob.head_dim, masked)
-    grid = (cdiv(prob.max_seqlen_k, cfg.block_n), prob.batch * prob.num_kv_heads)
-    # the fp32 dQ accumulator, laid out as q (rows no program reaches stay 0)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    group = prob.num_heads // prob.num_kv_heads
+    if fused:
+        cfg = hopper_config_override or hopper_bwd_config(prob.head_dim, masked)
+        grid = (cdiv(prob.max_seqlen_k, cfg.block_n), prob.batch * prob.num_kv_heads)
+        if grid[0]:
+            ensure_cuda_context(q.device.index)
+            q_rows, kv_rows = ((q.shape[0], k.shape[0]) if varlen
+                               else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]))
+            plan.descs = tuple(as_template(hopper_descriptor(t, rows, block)) for t, rows, block in (
+                (q, q_rows, cfg.block_m), (dout, q_rows, cfg.block_m), (k, kv_rows, cfg.block_n),
+                (v, kv_rows, cfg.block_n), (dq_acc, q_rows, cfg.block_m)))
+            plan.fused = CachedLaunch(_attn_bwd_hopper, grid, dict(
+                HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
+                SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs,
+                EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv), num_warps=4)
+        plan.ints = (*seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen),
+                     prob.max_seqlen_q, prob.max_seqlen_k, prob.num_kv_heads, group)
+        return plan
+    dkdv_cfg, dq_cfg = bwd_configs(prob.head_dim)
+    flags = prob.flags()
+    # TMA loads for the operands the loops stream (q and dO in dK/dV, k and v in dQ)
+    use_tma = use_tensor_descriptors((q, k, v, dout), varlen)
+    if use_tma:
+        if q.is_cuda:
+            ensure_cuda_context(q.device.index)
+        plan.dkdv_descs = tuple(as_template(row_descriptor(t, varlen, dkdv_cfg.block_m, pad)) for t in (q, dout))
+        plan.dq_descs = tuple(as_template(row_descriptor(t, varlen, dq_cfg.block_n, pad)) for t in (k, v))
+    strides = (*seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), *seq_strides(dout, varlen))
+    # keys that no query sees get zero gradients: the dK/dV grid covers every key block
+    grid = (cdiv(prob.max_seqlen_k, dkdv_cfg.block_n), prob.batch * prob.num_kv_heads)
     if grid[0]:
-        ensure_cuda_context(q.device.index)
-        q_rows, kv_rows = (q.shape[0], k.shape[0]) if varlen else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
-        q_desc = hopper_descriptor(q, q_rows, cfg.block_m)
-        do_desc = hopper_descriptor(dout, q_rows, cfg.block_m)
-        k_desc = hopper_descriptor(k, kv_rows, cfg.block_n)
-        v_desc = hopper_descriptor(v, kv_rows, cfg.block_n)
-        cu_q, cu_k, _, _ = prob.pointers(lse)
-        qk_scale_log2, _, _, window_left, window_right, _ = prob.scalars()
-        dq_desc = hopper_descriptor(dq_acc, q_rows, cfg.block_m)
-        _attn_bwd_hopper[grid](
-            q_desc, k_desc, v_desc, do_desc, dq_desc, dk, dv, lse, delta, cu_q, cu_k,
-            *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q,
-            prob.max_seqlen_k, prob.num_kv_heads, prob.num_heads // prob.num_kv_heads, qk_scale_log2,
-            prob.softmax_scale, window_left, window_right, HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0,
-            HAS_RIGHT=prob.window_right >= 0, SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
-            WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, num_warps=4,
-        )
-    torch.mul(dq_acc, prob.softmax_scale, out=dq)
+        passes = ((True, False), (False, True)) if dkdv_cfg.split_dkdv else ((True, True),)
+        plan.dkdv = tuple(CachedLaunch(_attn_bwd_dkdv, grid, dict(
+            HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, **flags,
+            USE_TMA=use_tma, COMPUTE_DK=compute_dk, COMPUTE_DV=compute_dv),
+            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages) for compute_dk, compute_dv in passes)
+    plan.dkdv_ints = (*strides, *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen),
+                      prob.alibi_batch_stride(), prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads,
+                      prob.num_kv_heads, group)
+    grid = (cdiv(prob.max_seqlen_q, dq_cfg.block_m), prob.batch * prob.num_heads)
+    if grid[0]:
+        plan.dq = CachedLaunch(_attn_bwd_dq, grid, dict(
+            HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, **flags,
+            USE_TMA=use_tma), num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
+    plan.dq_ints = (*strides, *seq_strides(dq, varlen), *lse_strides(lse, varlen), prob.alibi_batch_stride(),
+                    prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads, group)
+    return plan
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, prob: Problem, deterministic: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) for checked inputs (last dims contiguous). ``deterministic=False`` lets Hopper take the
-    fused Gluon kernel, whose dQ is summed across programs by TMA reduce-adds."""
+    fused Gluon kernel, whose dQ is summed across programs by TMA reduce-adds. The launches come from the
+    call signature's plan (``_BwdPlan``), made on its first call."""
+    if not on_current_device(q):
+        with torch.cuda.device(q.device):  # triton launches on the current device
+            return backward(dout, q, k, v, out, lse, prob, deterministic)
     varlen = prob.is_varlen
-    fused = hopper_backward_applies((q, k, v, dout), prob, deterministic)
+    key = plan_key((dout, q, k, v, out, lse, prob.cu_seqlens_q, prob.cu_seqlens_k, prob.alibi_slopes,
+                    prob.seed_offset), prob, deterministic, config_override, hopper_mode, hopper_config_override,
+                   _fwd.tma_mode)
+    plan = _BWD_PLANS.get(key)
+    fused = plan.is_fused if plan is not None else hopper_backward_applies((q, k, v, dout), prob, deterministic)
     # varlen: rows past cu_seqlens[-1] get zero gradients (no program writes them; garbage there would
     # flow back into whatever produced q, k and v). The fused path writes every row of dq.
     alloc = torch.zeros if varlen else torch.empty
@@ -940,54 +1006,29 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    # the fused kernel's fp32 dQ accumulator, laid out as q (rows no program reaches stay 0)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
+    if plan is None:
+        plan = cache_put(_BWD_PLANS, key, _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob), 256)
     delta = torch.empty_like(lse)
-    pad = head_dim_pad(prob.head_dim)
-    block = 64 if pad <= 128 else 32
-    grid = (cdiv(prob.max_seqlen_q, block), prob.batch * prob.num_heads)
-    if grid[0]:
-        _attn_bwd_delta[grid](out, dout, delta, prob.pointers(q)[0], *seq_strides(out, varlen),
-                              *seq_strides(dout, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q,
-                              prob.num_heads, HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=block,
-                              IS_VARLEN=varlen, num_warps=4)
+    cu_q, cu_k, alibi, seed = prob.pointers(q)
+    if plan.delta is not None:
+        plan.delta((out, dout, delta, cu_q, *plan.delta_ints), q.device)
+    qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p = prob.scalars()
     if fused:
-        _backward_hopper(dout, q, k, v, lse, delta, dq, dk, dv, prob)
+        if plan.fused is not None:
+            q_desc, do_desc, k_desc, v_desc, dq_desc = rebased(plan.descs, (q, dout, k, v, dq_acc))
+            cu_q, cu_k, _, _ = prob.pointers(lse)
+            plan.fused((q_desc, k_desc, v_desc, do_desc, dq_desc, dk, dv, lse, delta, cu_q, cu_k, *plan.ints,
+                        qk_scale_log2, prob.softmax_scale, window_left, window_right), q.device)
+        torch.mul(dq_acc, prob.softmax_scale, out=dq)
         return dq, dk, dv
-    dkdv_cfg, dq_cfg = bwd_configs(prob.head_dim)
-    pointers = prob.pointers(q)
-    flags = prob.flags()
-    common = (*prob.scalars(), prob.softmax_scale)
-
-    # TMA loads for the operands the loops stream (q and dO in dK/dV, k and v in dQ)
-    use_tma = use_tensor_descriptors((q, k, v, dout), varlen)
-    dkdv_operands, dq_operands = (q, dout), (k, v)
-    if use_tma:
-        if q.is_cuda:
-            ensure_cuda_context(q.device.index)
-        dkdv_operands = tuple(row_descriptor(t, varlen, dkdv_cfg.block_m, pad) for t in dkdv_operands)
-        dq_operands = tuple(row_descriptor(t, varlen, dq_cfg.block_n, pad) for t in dq_operands)
-
-    # keys that no query sees get zero gradients: the dK/dV grid covers every key block
-    grid = (cdiv(prob.max_seqlen_k, dkdv_cfg.block_n), prob.batch * prob.num_kv_heads)
-    if grid[0]:
-        passes = ((True, False), (False, True)) if dkdv_cfg.split_dkdv else ((True, True),)
-        for compute_dk, compute_dv in passes:
-            _attn_bwd_dkdv[grid](
-                dkdv_operands[0], k, v, dkdv_operands[1], dk, dv, lse, delta, *pointers,
-                *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
-                *seq_strides(dout, varlen), *seq_strides(dk, varlen), *seq_strides(dv, varlen),
-                *lse_strides(lse, varlen), prob.alibi_batch_stride(), prob.max_seqlen_q, prob.max_seqlen_k,
-                prob.num_heads, prob.num_kv_heads, prob.num_heads // prob.num_kv_heads, *common,
-                HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
-                **flags, USE_TMA=use_tma, COMPUTE_DK=compute_dk, COMPUTE_DV=compute_dv,
-                num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages,
-            )
-    grid = (cdiv(prob.max_seqlen_q, dq_cfg.block_m), prob.batch * prob.num_heads)
-    if grid[0]:
-        _attn_bwd_dq[grid](q, dq_operands[0], dq_operands[1], dout, dq, lse, delta, *pointers,
-                           *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
-                           *seq_strides(dout, varlen), *seq_strides(dq, varlen), *lse_strides(lse, varlen),
-                           prob.alibi_batch_stride(), prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads,
-                           prob.num_heads // prob.num_kv_heads, *common, HEAD_DIM=prob.head_dim,
-                           HEAD_DIM_PAD=pad, BLOCK_M=dq_cfg.block_m, BLOCK_N=dq_cfg.block_n, **flags,
-                           USE_TMA=use_tma, num_warps=dq_cfg.num_warps, num_stages=dq_cfg.num_stages)
+    common = (qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p, prob.softmax_scale)
+    pointers = (cu_q, cu_k, alibi, seed)
+    for launch in plan.dkdv or ():
+        q_src, do_src = rebased(plan.dkdv_descs, (q, dout))
+        launch((q_src, k, v, do_src, dk, dv, lse, delta, *pointers, *plan.dkdv_ints, *common), q.device)
+    if plan.dq is not None:
+        k_src, v_src = rebased(plan.dq_descs, (k, v))
+        plan.dq((q, k_src, v_src, dout, dq, lse, delta, *pointers, *plan.dq_ints, *common), q.device)
     return dq, dk, dv

@@ -34,13 +34,19 @@ import triton
 import triton.language as tl
 
 from .._runtime import (
+    CachedLaunch,
+    as_template,
+    cache_put,
     cast_for_store,
     cdiv,
     dot,
     ensure_cuda_context,
     is_hopper,
     is_interpreter,
+    on_current_device,
+    rebase,
     supports_tensor_descriptors,
+    tensor_key,
 )
 
 LOG2E = 1.4426950408889634
@@ -797,30 +803,6 @@ def hopper_descriptor(t: torch.Tensor, rows: int, block_rows: int, layout_rows: 
     return GluonDescriptor(t, [rows, heads * dim], [t.stride(-3), 1], [block_rows, dim], layout)
 
 
-def _forward_hopper(q, k, v, out, lse, prob: "Problem") -> None:
-    varlen = prob.is_varlen
-    cfg = HOPPER_FWD_CONFIGS[prob.head_dim]
-    grid = (cdiv(prob.max_seqlen_q, HOPPER_BLOCK_M), prob.batch * prob.num_heads)
-    if grid[0] == 0:
-        return
-    ensure_cuda_context(q.device.index)
-    q_rows, kv_rows = (q.shape[0], k.shape[0]) if varlen else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1])
-    q_desc = hopper_descriptor(q, q_rows, HOPPER_BLOCK_M)
-    k_desc = hopper_descriptor(k, kv_rows, cfg.block_n)
-    v_desc = hopper_descriptor(v, kv_rows, cfg.block_n)
-    cu_q, cu_k, _, _ = prob.pointers(lse)
-    qk_scale_log2, _, _, window_left, window_right, _ = prob.scalars()
-    stride_ob, stride_os, stride_oh = seq_strides(out, varlen)
-    _attn_fwd_hopper[grid](
-        q_desc, k_desc, v_desc, out, lse, cu_q, cu_k, stride_ob, stride_os, stride_oh, *lse_strides(lse, varlen),
-        prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads, prob.num_heads // prob.num_kv_heads,
-        qk_scale_log2, window_left, window_right,
-        HEAD_DIM=prob.head_dim, BLOCK_M=HOPPER_BLOCK_M, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-        IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4,
-    )
-
-
 def head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
@@ -933,9 +915,98 @@ def row_descriptor(t: torch.Tensor, varlen: bool, block_rows: int, pad: int):
     return TensorDescriptor(t, shape, [t.stride(-3), t.stride(-2), 1], [block_rows, 1, pad])
 
 
+# ----------------------------------------------------------------------------------------------------
+# launch plans: what a call signature fixes, worked out once
+
+
+def plan_key(tensors, prob: Problem, *knobs) -> tuple:
+    """What a launch plan depends on: every tensor's ``tensor_key`` (dtype, shape, strides, 16-byte
+    alignment: what triton specialises on and what the strides and descriptors are made from) and
+    device, the problem's geometry (its ints, exactly: triton specialises on them too) and which options
+    are on, and the test and sweep knobs (``knobs``). Float options (scale, softcap, dropout_p) are
+    runtime arguments and not part of it."""
+    return (*((None, None) if t is None else (tensor_key(t), t.device) for t in tensors),
+            prob.batch, prob.num_heads, prob.num_kv_heads, prob.head_dim, prob.max_seqlen_q, prob.max_seqlen_k,
+            prob.window_left, prob.window_right, prob.softcap > 0, prob.dropout_p > 0, *knobs)
+
+
+class _FwdPlan:
+    """One forward launch for one call signature (``plan_key``): the kernel's ``CachedLaunch`` (None
+    when the grid is empty), the descriptor templates of q, k and v (None on the pointer path), the
+    integer arguments, and which kernel (the Gluon one or the Triton one). A call that finds its plan
+    costs the host little more than rebasing the descriptors and the launch: the table lookups, stride
+    work, descriptor validation and triton's per-call binder are done once. (With this and the dispatcher
+    skipped, an eager forward went from 190-265 to 52-100 us of host time on the H100 machine,
+    benchmarks/NOTES.md.)"""
+
+    __slots__ = ("launch", "descs", "ints", "hopper")
+
+
+# call signature -> _FwdPlan (``plan_key``); the config tables are read when a plan is made, so a probe
+# that edits them calls ``clear_plans()``
+_FWD_PLANS: dict = {}
+
+
+def clear_plans() -> None:
+    """Forget the forward's launch plans (the backward's: ``_bwd.clear_plans``)."""
+    _FWD_PLANS.clear()
+
+
+def _make_fwd_plan(q, k, v, out, lse, prob: Problem) -> _FwdPlan:
+    varlen = prob.is_varlen
+    plan = _FwdPlan()
+    plan.descs = None
+    use_tma = use_tensor_descriptors((q, k, v), varlen)
+    plan.hopper = hopper_kernel_applies(q, k, v, prob, use_tma)
+    if plan.hopper:
+        cfg = HOPPER_FWD_CONFIGS[prob.head_dim]
+        grid = (cdiv(prob.max_seqlen_q, HOPPER_BLOCK_M), prob.batch * prob.num_heads)
+        q_rows, kv_rows = ((q.shape[0], k.shape[0]) if varlen
+                           else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]))
+        if grid[0]:
+            ensure_cuda_context(q.device.index)
+            plan.descs = tuple(as_template(hopper_descriptor(t, rows, block)) for t, rows, block in (
+                (q, q_rows, HOPPER_BLOCK_M), (k, kv_rows, cfg.block_n), (v, kv_rows, cfg.block_n)))
+        plan.ints = (*seq_strides(out, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q, prob.max_seqlen_k,
+                     prob.num_heads, prob.num_heads // prob.num_kv_heads)
+        plan.launch = CachedLaunch(_attn_fwd_hopper, grid, dict(
+            HEAD_DIM=prob.head_dim, BLOCK_M=HOPPER_BLOCK_M, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+            IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
+            CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs), num_warps=4) if grid[0] else None
+        return plan
+    cfg = fwd_config(prob.head_dim, prob.causal, use_tma)
+    grid = (cdiv(prob.max_seqlen_q, cfg.block_m), prob.batch * prob.num_heads)
+    pad = head_dim_pad(prob.head_dim)
+    if use_tma and grid[0]:
+        if q.is_cuda:
+            ensure_cuda_context(q.device.index)
+        plan.descs = tuple(as_template(row_descriptor(t, varlen, rows, pad))
+                           for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)))
+    plan.ints = (*seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen),
+                 *seq_strides(out, varlen), *lse_strides(lse, varlen), prob.alibi_batch_stride(),
+                 prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads, prob.num_heads // prob.num_kv_heads)
+    plan.launch = CachedLaunch(_attn_fwd, grid, dict(
+        HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **prob.flags(),
+        USE_TMA=use_tma), num_warps=cfg.num_warps, num_stages=cfg.num_stages) if grid[0] else None
+    return plan
+
+
+def rebased(templates, tensors) -> tuple:
+    """This call's tensors under a plan's descriptor templates (``tensors`` themselves when there are none:
+    the pointer path)."""
+    if templates is None:
+        return tuple(tensors)
+    if tensors[0].is_cuda:
+        ensure_cuda_context(tensors[0].device.index)
+    return tuple(rebase(d, t) for d, t in zip(templates, tensors))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             prob: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for checked inputs (last dim contiguous)."""
+    if not on_current_device(q):
+        with torch.cuda.device(q.device):  # triton launches on the current device
+            return forward(q, k, v, prob)
     varlen = prob.is_varlen
     if varlen:
         # rows past cu_seqlens_q[-1] (a buffer sized for more tokens) belong to no sequence and no
@@ -948,30 +1019,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if out.numel() == 0:
         lse.fill_(float("inf"))
         return out, lse
-    operands = (q, k, v)
-    use_tma = use_tensor_descriptors(operands, varlen)
-    if hopper_kernel_applies(q, k, v, prob, use_tma):
-        _forward_hopper(q, k, v, out, lse, prob)
+    key = plan_key((q, k, v, prob.cu_seqlens_q, prob.cu_seqlens_k, prob.alibi_slopes, prob.seed_offset), prob,
+                   config_override, tma_mode, hopper_mode)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        plan = cache_put(_FWD_PLANS, key, _make_fwd_plan(q, k, v, out, lse, prob), 256)
+    if plan.launch is None:
         return out, lse
-    cfg = fwd_config(prob.head_dim, prob.causal, use_tma)
-    grid = (cdiv(prob.max_seqlen_q, cfg.block_m), prob.batch * prob.num_heads)
-    if grid[0] == 0:
-        return out, lse
-    pad = head_dim_pad(prob.head_dim)
-    if use_tma:
-        if q.is_cuda:
-            ensure_cuda_context(q.device.index)
-        operands = tuple(row_descriptor(t, varlen, rows, pad)
-                         for t, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)))
-    _attn_fwd[grid](
-        *operands, out, lse, *prob.pointers(q),
-        *seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), *seq_strides(out, varlen),
-        *lse_strides(lse, varlen), prob.alibi_batch_stride(),
-        prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads, prob.num_heads // prob.num_kv_heads,
-        *prob.scalars(),
-        HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **prob.flags(),
-        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    operands = rebased(plan.descs, (q, k, v))
+    qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p = prob.scalars()
+    if plan.hopper:
+        cu_q, cu_k, _, _ = prob.pointers(lse)
+        plan.launch((*operands, out, lse, cu_q, cu_k, *plan.ints, qk_scale_log2, window_left, window_right),
+                    q.device)
+    else:
+        plan.launch((*operands, out, lse, *prob.pointers(q), *plan.ints, qk_scale_log2, softcap_log2,
+                     scale_over_cap, window_left, window_right, dropout_p), q.device)
     return out, lse
 
 

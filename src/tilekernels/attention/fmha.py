@@ -1,8 +1,10 @@
 """``tk.flash_attn_func`` and ``tk.flash_attn_varlen_func``: FlashAttention-2's functions, in Triton.
 
-Reading order: argument checks -> torch.library ops (forward, backward) with fake implementations ->
-autograd -> the public functions. The kernels are in ``_fwd.py`` (forward, shared score/mask/dropout
-helpers, configs) and ``_bwd.py`` (delta, dK/dV, dQ); the fp64 specification is ``reference.py``.
+Reading order: argument checks -> the ops' bodies and the torch.library ops (forward, backward) with fake
+implementations -> autograd (the op's, and ``_FlashAttnFunction`` for plain eager calls, which skip the
+dispatcher) -> the public functions. Each body launches from a plan cached per call signature
+(``_fwd.plan_key``). The kernels are in ``_fwd.py`` (forward, shared score/mask/dropout helpers, configs)
+and ``_bwd.py`` (delta, dK/dV, dQ); the fp64 specification is ``reference.py``.
 
 Nothing here reads a device value on the host: varlen sequence bounds stay in ``cu_seqlens`` on the
 device, grids come from the host ints ``max_seqlen_*`` (as in FA2), the dropout seed is drawn on the
@@ -17,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .._runtime import check_runnable
+from .._runtime import check_runnable, plain_eager
 from . import _bwd, _fwd
 
 MAX_HEAD_DIM = 256
@@ -127,16 +129,31 @@ def _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropo
 # torch.library ops
 
 
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_left,
+              window_right, softcap, alibi_slopes, seed_offset, deterministic=False):
+    """The forward op's body, also run directly by plain eager calls (``_attention``)."""
+    # ``deterministic`` only travels to the backward (autograd's context keeps the forward's inputs)
+    prob = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                    window_left, window_right, softcap, alibi_slopes, seed_offset)
+    return _fwd.forward(q, k, v, prob)
+
+
+def _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+              softmax_scale, window_left, window_right, softcap, alibi_slopes, seed_offset, deterministic=False):
+    """The backward op's body, also run directly by the eager path's autograd (``_FlashAttnFunction``)."""
+    prob = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                    window_left, window_right, softcap, alibi_slopes, seed_offset)
+    return _bwd.backward(_last_dim_contiguous(dout), q, k, v, out, lse, prob, deterministic)
+
+
 @torch.library.custom_op("tilekernels::flash_attn_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Optional[torch.Tensor],
             cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
             softmax_scale: float, window_left: int, window_right: int, softcap: float,
             alibi_slopes: Optional[torch.Tensor], seed_offset: Optional[torch.Tensor], deterministic: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    # ``deterministic`` only travels to the backward (autograd's context keeps the forward's inputs)
-    prob = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    window_left, window_right, softcap, alibi_slopes, seed_offset)
-    return _fwd.forward(q, k, v, prob)
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                     window_left, window_right, softcap, alibi_slopes, seed_offset, deterministic)
 
 
 @_fwd_op.register_fake
@@ -152,9 +169,8 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
             seed_offset: Optional[torch.Tensor], deterministic: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    prob = _problem(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                    window_left, window_right, softcap, alibi_slopes, seed_offset)
-    return _bwd.backward(_last_dim_contiguous(dout), q, k, v, out, lse, prob, deterministic)
+    return _bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                     softmax_scale, window_left, window_right, softcap, alibi_slopes, seed_offset, deterministic)
 
 
 @_bwd_op.register_fake
@@ -175,16 +191,45 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic = inputs[14]
 
 
-def _backward(ctx, dout, dlse):
+def _grads(ctx, dout, run):
+    """The 15 inputs' gradients (dq, dk, dv, then None), the backward done by ``run`` (the op or its body)."""
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, seed_offset = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, window_left, window_right, softcap = ctx.scalars
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         dropout_p, softmax_scale, window_left, window_right, softcap, alibi_slopes, seed_offset,
-                         ctx.deterministic)
+    dq, dk, dv = run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                     softmax_scale, window_left, window_right, softcap, alibi_slopes, seed_offset, ctx.deterministic)
     return (dq, dk, dv) + (None,) * 12
 
 
+def _backward(ctx, dout, dlse):
+    return _grads(ctx, dout, _bwd_op)
+
+
 torch.library.register_autograd("tilekernels::flash_attn_fwd", _backward, setup_context=_setup_context)
+
+
+class _FlashAttnFunction(torch.autograd.Function):
+    """The op's autograd for plain eager calls, without the dispatcher: the same forward and backward
+    bodies, saved tensors and gradients. It costs the host less than the op's autograd (H100 host,
+    benchmarks/NOTES.md): no dispatcher either way, ``forward(ctx, ...)`` rather than ``setup_context``
+    (whose ``apply`` re-inspects the signature on every call), lse marked non-differentiable and no zero
+    gradient materialised for it, and the engine sees four inputs (the other twelve arguments travel as
+    one tuple). torch.compile, fake tensors and tensor subclasses take the op (``plain_eager``). Not twice
+    differentiable, as the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rest):
+        out, lse = _fwd_impl(q, k, v, *rest)
+        _setup_context(ctx, (q, k, v, *rest), (out, lse))
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        if dout is None:   # lse carries no gradient; out's may be undefined
+            return None, None, None, None
+        return _grads(ctx, dout, _bwd_impl)[:3] + (None,)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -207,10 +252,15 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if causal:
         window_right = 0
     seed_offset = _fwd.draw_philox_seed(q.device) if dropout_p > 0 else None
-    out, lse = _fwd_op(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_seqlens_q,
-                       cu_seqlens_k, int(max_seqlen_q or 0), int(max_seqlen_k or 0), float(dropout_p),
-                       float(softmax_scale), int(window_left), int(window_right), float(softcap), alibi_slopes,
-                       seed_offset, deterministic)
+    args = (_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_seqlens_q, cu_seqlens_k,
+            int(max_seqlen_q or 0), int(max_seqlen_k or 0), float(dropout_p), float(softmax_scale), int(window_left),
+            int(window_right), float(softcap), alibi_slopes, seed_offset, deterministic)
+    if not (plain_eager(q) and plain_eager(k) and plain_eager(v)):
+        out, lse = _fwd_op(*args)   # torch.compile, fake tensors, subclasses
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashAttnFunction.apply(*args[:3], args[3:])
+    else:
+        out, lse = _fwd_impl(*args)
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .._runtime import (
     CachedLaunch,
+    as_template,
     cache_put,
     cdiv,
     check_runnable,
@@ -315,7 +316,7 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
     (_, _, k_mode), (_, _, v_mode) = scales
     group = num_heads // cache.kv_heads
     if not decode and _hopper_prefill_applies(q, k_cache, v_cache, cache, scales, out, logits_soft_cap):
-        return _make_hopper_plan(q, batch, table, cache, scales, out, causal, window_left)
+        return _make_hopper_plan(q, k_cache, v_cache, batch, table, cache, scales, out, causal, window_left)
     pad = head_dim_pad(head_dim)
     cfg = kern.paged_config(pad, decode, _use_tma(cache, k_cache, v_cache, 64), k_cache.element_size(),
                             causal and not decode, total_q / max(batch, 1))
@@ -374,8 +375,8 @@ def _make_plan(q, k_cache, v_cache, qo_indptr, table: dict, cache: _Cache, scale
     return plan
 
 
-def _make_hopper_plan(q, batch: int, table: dict, cache: _Cache, scales, out, causal: bool, window_left: int
-                      ) -> _Plan:
+def _make_hopper_plan(q, k_cache, v_cache, batch: int, table: dict, cache: _Cache, scales, out, causal: bool,
+                      window_left: int) -> _Plan:
     """The plan of a Gluon prefill (``_hopper_prefill_applies``): its config is the contiguous forward's."""
     total_q, num_heads, head_dim = q.shape
     cfg = _fwd.HOPPER_FWD_CONFIGS[head_dim]
@@ -389,15 +390,19 @@ def _make_hopper_plan(q, batch: int, table: dict, cache: _Cache, scales, out, ca
     plan.scale_modes = (scales[0][2], scales[1][2])
     plan.attn = plan.merge = plan.part_shapes = plan.k_desc = plan.v_desc = plan.ints = None
     plan.use_tma = False  # the Triton kernel's TMA path; the Gluon kernel has its own descriptors
-    plan.hopper = (cfg, cfg.block_n if gather else min(page, cfg.block_n),
-                   (total_q // _fwd.HOPPER_BLOCK_M + batch, num_heads),
-                   dict(HEAD_DIM=head_dim, BLOCK_M=_fwd.HOPPER_BLOCK_M, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                        PAGE_SIZE=page, GATHER=gather, SEARCH_STEPS=max(1, batch.bit_length()),
-                        TABLE_2D=table["table_2d"], CAUSAL=causal, HAS_LEFT=window_left >= 0,
-                        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, num_warps=4),
-                   (out.stride(0), out.stride(1), num_heads, 1,
-                    page_table.stride(0) if table["table_2d"] and page_table.numel() else 0, batch, num_heads,
-                    num_heads // cache.kv_heads))
+    box_rows = cfg.block_n if gather else min(page, cfg.block_n)
+    ensure_cuda_context(q.device.index)
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    descs = (as_template(_fwd.hopper_descriptor(q, total_q, _fwd.HOPPER_BLOCK_M)),
+             as_template(_fwd.hopper_descriptor(k_cache, rows, box_rows, cfg.block_n)),
+             as_template(_fwd.hopper_descriptor(v_cache, rows, box_rows, cfg.block_n)))
+    launch = CachedLaunch(kern._paged_prefill_hopper, (total_q // _fwd.HOPPER_BLOCK_M + batch, num_heads), dict(
+        HEAD_DIM=head_dim, BLOCK_M=_fwd.HOPPER_BLOCK_M, BLOCK_N=cfg.block_n, STAGES=cfg.stages, PAGE_SIZE=page,
+        GATHER=gather, SEARCH_STEPS=max(1, batch.bit_length()), TABLE_2D=table["table_2d"], CAUSAL=causal,
+        HAS_LEFT=window_left >= 0, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs), num_warps=4)
+    plan.hopper = (launch, descs, (k_cache.stride(1), v_cache.stride(1), out.stride(0), out.stride(1), num_heads, 1,
+                                   page_table.stride(0) if table["table_2d"] and page_table.numel() else 0, batch,
+                                   num_heads, num_heads // cache.kv_heads))
     return plan
 
 
@@ -438,20 +443,13 @@ def _launch(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, scales, ou
 
 def _launch_hopper(plan: _Plan, q, k_cache, v_cache, qo_indptr, table: dict, out, lse, qk_scale_log2: float,
                    v_value: float, window_left: int) -> None:
-    """One call of the Gluon prefill: descriptors over this call's tensors, then the launch."""
-    cfg, box_rows, grid, constants, ints = plan.hopper
-    ensure_cuda_context(q.device.index)
-    rows = k_cache.shape[0] * k_cache.shape[1]
-    q_desc = _fwd.hopper_descriptor(q, q.shape[0], constants["BLOCK_M"])
-    k_desc = _fwd.hopper_descriptor(k_cache, rows, box_rows, cfg.block_n)
-    v_desc = _fwd.hopper_descriptor(v_cache, rows, box_rows, cfg.block_n)
+    """One call of the Gluon prefill: the plan's descriptors over this call's tensors, then the launch."""
+    launch, descs, ints = plan.hopper
+    q_desc, k_desc, v_desc = _fwd.rebased(descs, (q, k_cache, v_cache))
     page_table = table["page_table"] if table["page_table"].numel() else q  # a stand-in that is never read
-    stride_ot, stride_oh, stride_lt, stride_lh, stride_table, batch, num_heads, group = ints
-    kern._paged_prefill_hopper[grid](
-        q_desc, k_desc, v_desc, k_cache, v_cache, out, lse, qo_indptr, table.get("kv_indptr", page_table), page_table,
-        table.get("last_page_len", page_table), table.get("seqlen_k", page_table), k_cache.stride(1),
-        v_cache.stride(1), stride_ot, stride_oh, stride_lt, stride_lh, stride_table, batch, num_heads, group,
-        qk_scale_log2, v_value, window_left, **constants)
+    launch((q_desc, k_desc, v_desc, k_cache, v_cache, out, lse, qo_indptr, table.get("kv_indptr", page_table),
+            page_table, table.get("last_page_len", page_table), table.get("seqlen_k", page_table), *ints,
+            qk_scale_log2, v_value, window_left), q.device)
 
 
 def _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,

@@ -723,6 +723,8 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # a register cap per thread (triton's ``maxnreg``), so that more programs fit on an SM; None: the compiler's
+    maxnreg: int | None = None
 
 
 # Hopper, keyed by (padded head dim, causal); chosen by sweeps on an H100 (bf16, S 2048-4096, TMA
@@ -730,11 +732,14 @@ class FwdConfig:
 # causal (128x128/8: 496 and 428); D 64: 64x128/4 402 (128x64/8 378); D 256: 128x64/8/3 stages 519
 # (2 stages 409), causal 64x32/4/3 470 (128x64/8/3 436). Without TMA, D 256 fits only 2 stages
 # (``fwd_config``). Triton 3.6's automatic warp specialization of the key loop fails to compile at 4 warps
-# and is slower at 8 (493 vs 573).
+# and is slower at 8 (493 vs 573). D 64 causal under a 128-register cap (139 without; no spill) fits four
+# programs per SM instead of three: 8x16x2048 334-339 against 321-322 TFLOP/s, 4x16x4096 365-371 against
+# 354-356, outputs bit-identical (H100, 2026-11-23, two calls of 3 interleaved rounds); the same cap, 2 or
+# 4 stages, 64-key blocks or 160-200 registers at D 64 full were level or slower (benchmarks/NOTES.md).
 FWD_CONFIGS = {
     (16, False): FwdConfig(64, 64, 4, 3), (16, True): FwdConfig(64, 64, 4, 3),
     (32, False): FwdConfig(64, 64, 4, 3), (32, True): FwdConfig(64, 64, 4, 3),
-    (64, False): FwdConfig(64, 128, 4, 3), (64, True): FwdConfig(64, 64, 4, 3),
+    (64, False): FwdConfig(64, 128, 4, 3), (64, True): FwdConfig(64, 64, 4, 3, maxnreg=128),
     (128, False): FwdConfig(64, 64, 4, 3), (128, True): FwdConfig(64, 64, 4, 3),
     (256, False): FwdConfig(128, 64, 8, 3), (256, True): FwdConfig(64, 32, 4, 3),
 }
@@ -987,7 +992,8 @@ def _make_fwd_plan(q, k, v, out, lse, prob: Problem) -> _FwdPlan:
                  prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads, prob.num_heads // prob.num_kv_heads)
     plan.launch = CachedLaunch(_attn_fwd, grid, dict(
         HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **prob.flags(),
-        USE_TMA=use_tma), num_warps=cfg.num_warps, num_stages=cfg.num_stages) if grid[0] else None
+        USE_TMA=use_tma), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg})) if grid[0] else None
     return plan
 
 

@@ -735,11 +735,14 @@ class FwdConfig:
 # and is slower at 8 (493 vs 573). D 64 causal under a 128-register cap (139 without; no spill) fits four
 # programs per SM instead of three: 8x16x2048 334-339 against 321-322 TFLOP/s, 4x16x4096 365-371 against
 # 354-356, outputs bit-identical (H100, 2026-11-23, two calls of 3 interleaved rounds); the same cap, 2 or
-# 4 stages, 64-key blocks or 160-200 registers at D 64 full were level or slower (benchmarks/NOTES.md).
+# 4 stages were slower. D 64 full: 128x64 tiles at 4 warps (244 registers, two programs per SM, each key
+# block serving 128 queries) 403-418 at 8x16x2048 and 421-426 at 4x16x4096 against 64x128/4's 379-405 and
+# 396-418; 128x64/8 393-411, 128x128/8/2 268-297, register caps on 64x128 level or slower; causal keeps 64-row
+# tiles (128-row ones 250-357 against 340-375). benchmarks/NOTES.md.
 FWD_CONFIGS = {
     (16, False): FwdConfig(64, 64, 4, 3), (16, True): FwdConfig(64, 64, 4, 3),
     (32, False): FwdConfig(64, 64, 4, 3), (32, True): FwdConfig(64, 64, 4, 3),
-    (64, False): FwdConfig(64, 128, 4, 3), (64, True): FwdConfig(64, 64, 4, 3, maxnreg=128),
+    (64, False): FwdConfig(128, 64, 4, 3), (64, True): FwdConfig(64, 64, 4, 3, maxnreg=128),
     (128, False): FwdConfig(64, 64, 4, 3), (128, True): FwdConfig(64, 64, 4, 3),
     (256, False): FwdConfig(128, 64, 8, 3), (256, True): FwdConfig(64, 32, 4, 3),
 }

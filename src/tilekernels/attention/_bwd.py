@@ -48,6 +48,7 @@ from ._fwd import (
     lse_strides,
     plan_key,
     rebased,
+    row_count,
     row_descriptor,
     scores_log2,
     seq_bounds,
@@ -667,7 +668,7 @@ if HAVE_GLUON:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
-                         EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr = False):
+                         EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr):
         """dk, dv of BLOCK_N key rows of one (sequence, KV head) and their share of dq (added into an fp32
         accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
         ``SPLIT_D``: the consumer warpgroups split the head dim instead of the keys (``_bwd_consumer_split_d``),
@@ -939,11 +940,8 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem) -
         grid = (cdiv(prob.max_seqlen_k, cfg.block_n), prob.batch * prob.num_kv_heads)
         if grid[0]:
             ensure_cuda_context(q.device.index)
-            q_rows, kv_rows = ((q.shape[0], k.shape[0]) if varlen
-                               else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]))
-            plan.descs = tuple(as_template(hopper_descriptor(t, rows, block)) for t, rows, block in (
-                (q, q_rows, cfg.block_m), (dout, q_rows, cfg.block_m), (k, kv_rows, cfg.block_n),
-                (v, kv_rows, cfg.block_n), (dq_acc, q_rows, cfg.block_m)))
+            plan.descs = tuple(as_template(hopper_descriptor(t, row_count(t, varlen), block)) for t, block in (
+                (q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dq_acc, cfg.block_m)))
             plan.fused = CachedLaunch(_attn_bwd_hopper, grid, dict(
                 HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                 IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
@@ -1025,8 +1023,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         return dq, dk, dv
     common = (qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p, prob.softmax_scale)
     pointers = (cu_q, cu_k, alibi, seed)
+    q_src, do_src = rebased(plan.dkdv_descs, (q, dout))
     for launch in plan.dkdv or ():
-        q_src, do_src = rebased(plan.dkdv_descs, (q, dout))
         launch((q_src, k, v, do_src, dk, dv, lse, delta, *pointers, *plan.dkdv_ints, *common), q.device)
     if plan.dq is not None:
         k_src, v_src = rebased(plan.dq_descs, (k, v))

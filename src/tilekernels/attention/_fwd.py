@@ -914,12 +914,16 @@ def use_tensor_descriptors(tensors, varlen: bool) -> bool:
                and t.shape[-1] * esize >= 16 and _flat_rows(t, varlen) for t in tensors)
 
 
+def row_count(t: torch.Tensor, varlen: bool) -> int:
+    """Rows of ``t`` with batch and sequence flattened (varlen: its ``total``), as the descriptors see them."""
+    return t.shape[0] if varlen else t.shape[0] * t.shape[1]
+
+
 def row_descriptor(t: torch.Tensor, varlen: bool, block_rows: int, pad: int):
     """A tensor descriptor over ``t`` as ``[rows, heads, D]``, block ``[block_rows, 1, pad]``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    rows = t.shape[0] if varlen else t.shape[0] * t.shape[1]
-    shape = [rows, t.shape[-2], t.shape[-1]]
+    shape = [row_count(t, varlen), t.shape[-2], t.shape[-1]]
     return TensorDescriptor(t, shape, [t.stride(-3), t.stride(-2), 1], [block_rows, 1, pad])
 
 
@@ -969,12 +973,10 @@ def _make_fwd_plan(q, k, v, out, lse, prob: Problem) -> _FwdPlan:
     if plan.hopper:
         cfg = HOPPER_FWD_CONFIGS[prob.head_dim]
         grid = (cdiv(prob.max_seqlen_q, HOPPER_BLOCK_M), prob.batch * prob.num_heads)
-        q_rows, kv_rows = ((q.shape[0], k.shape[0]) if varlen
-                           else (q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]))
         if grid[0]:
             ensure_cuda_context(q.device.index)
-            plan.descs = tuple(as_template(hopper_descriptor(t, rows, block)) for t, rows, block in (
-                (q, q_rows, HOPPER_BLOCK_M), (k, kv_rows, cfg.block_n), (v, kv_rows, cfg.block_n)))
+            plan.descs = tuple(as_template(hopper_descriptor(t, row_count(t, varlen), block)) for t, block in (
+                (q, HOPPER_BLOCK_M), (k, cfg.block_n), (v, cfg.block_n)))
         plan.ints = (*seq_strides(out, varlen), *lse_strides(lse, varlen), prob.max_seqlen_q, prob.max_seqlen_k,
                      prob.num_heads, prob.num_heads // prob.num_kv_heads)
         plan.launch = CachedLaunch(_attn_fwd_hopper, grid, dict(
@@ -996,7 +998,7 @@ def _make_fwd_plan(q, k, v, out, lse, prob: Problem) -> _FwdPlan:
     plan.launch = CachedLaunch(_attn_fwd, grid, dict(
         HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **prob.flags(),
         USE_TMA=use_tma), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg})) if grid[0] else None
+        maxnreg=cfg.maxnreg) if grid[0] else None
     return plan
 
 

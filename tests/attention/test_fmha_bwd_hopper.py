@@ -12,6 +12,8 @@ the producer zeroes them. Two tests put NaN there and require it not to reach re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -64,6 +66,36 @@ CASES = [
 @pytest.mark.parametrize("case", [c.param() for c in CASES])
 def test_hopper_backward(case, hopper):
     check_case(case, hopper)
+
+
+# deterministic=True: the Gluon kernel for dK and dV, the Triton dQ kernel for dq (HopperBwdConfig.with_dq);
+# head dims 64 and 128 (head dim 256's schedule has no dQ-less form)
+DETERMINISTIC_CASES = [dataclasses.replace(c, options={**c.options, "deterministic": True})
+                       for i, c in enumerate(CASES) if c.head_dim <= 128 and i in (1, 2, 3, 4, 7, 8, 11, 12, 13, 15)]
+
+
+@pytest.mark.parametrize("case", [c.param() for c in DETERMINISTIC_CASES])
+def test_hopper_backward_deterministic(case, hopper):
+    check_case(case, hopper)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_deterministic_pieces(hopper, monkeypatch, head_dim):
+    """deterministic=True: the same bits in two runs; dk and dv those of the default Gluon kernel (the same
+    sums in the same order), dq that of the two Triton kernels (the same dQ kernel)."""
+    q = random_tensor((2, 2048, 16, head_dim), BF16, hopper)
+    k = random_tensor((2, 2048, 4, head_dim), BF16, hopper)
+    v = random_tensor((2, 2048, 4, head_dim), BF16, hopper)
+    dout = random_tensor(q.shape, BF16, hopper)
+    first = _grads(q, k, v, dout, causal=True, deterministic=True)
+    second = _grads(q, k, v, dout, causal=True, deterministic=True)
+    fused = _grads(q, k, v, dout, causal=True)
+    monkeypatch.setattr(_bwd, "hopper_mode", False)
+    two = _grads(q, k, v, dout, causal=True, deterministic=True)
+    for label, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(a, b), f"{label} differs between two deterministic runs"
+    assert torch.equal(first[0], two[0]), "dq differs from the two-kernel path's"
+    assert torch.equal(first[1], fused[1]) and torch.equal(first[2], fused[2]), "dk / dv differ from the fused kernel's"
 
 
 def _grads(q, k, v, dout, **kwargs):
@@ -125,6 +157,6 @@ def test_hopper_batch_neighbour_nan_stays_out(hopper, head_dim):
 
 def test_hopper_mode_raises_where_it_does_not_apply(hopper):
     q = random_tensor((1, 64, 2, 64), BF16, hopper).requires_grad_()
-    out = tk.flash_attn_func(q, q, q, deterministic=True)  # deterministic: the two-kernel path's
+    out = tk.flash_attn_func(q, q, q, softcap=5.0)  # softcap: the two-kernel path's
     with pytest.raises(RuntimeError, match="hopper_mode"):
         out.sum().backward()

@@ -24,8 +24,10 @@ import pytest
 
 FORWARD_CASES = {"fwd-D128-causal": (128, True), "fwd-D256-full": (256, False)}
 # bwd-D64-full compiles the D 64 entry (3 ring slots, early_dq); bwd-D128-causal the default step order
-BACKWARD_CASES = {"bwd-D128-causal": (128, True), "bwd-D64-full": (64, False), "bwd-D256-causal": (256, True),
-                  "bwd-D256-window": (256, "window")}
+# (head dim, causal / "window", dQ in the Gluon kernel or None for the table's choice)
+BACKWARD_CASES = {"bwd-D128-causal": (128, True, None), "bwd-D64-full": (64, False, None),
+                  "bwd-D64-causal-with-dq": (64, True, True), "bwd-D64-full-dkdv-only": (64, False, False),
+                  "bwd-D256-causal": (256, True, None), "bwd-D256-window": (256, "window", None)}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
 # (norm, prefetch mode, warps, columns per access, programs per row): 16384 columns per program (8192 when
 # four programs share a row)
@@ -83,12 +85,17 @@ def _compile_forward(head_dim: int, causal: bool):
         HAS_LEFT=False, HAS_RIGHT=causal, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs))
 
 
-def _compile_backward(head_dim: int, causal: bool):
+def _compile_backward(head_dim: int, causal: bool, with_dq: bool | None):
+    import dataclasses
+
     import torch
 
     from tilekernels.attention import _bwd, _fwd
 
-    cfg = _bwd.hopper_bwd_config(head_dim, bool(causal))
+    # the table's config, or (D 64 full, left to the Triton kernels) the masked case's
+    cfg = _bwd.hopper_bwd_config(head_dim, bool(causal)) or _bwd.HOPPER_BWD_CONFIGS[(head_dim, True)]
+    if with_dq is not None:
+        cfg = dataclasses.replace(cfg, with_dq=with_dq)
     window = causal == "window"
     rows, heads = 512, 4
     qkv = torch.empty(rows, heads, head_dim, dtype=torch.bfloat16)
@@ -107,7 +114,7 @@ def _compile_backward(head_dim: int, causal: bool):
     return _compile_sm90(_bwd._attn_bwd_hopper, args, dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=True,
         HAS_LEFT=window, HAS_RIGHT=bool(causal), SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
-        WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv))
+        WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, WITH_DQ=cfg.with_dq))
 
 
 def _compile_paged(page_size: int):

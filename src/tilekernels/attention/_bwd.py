@@ -1,5 +1,6 @@
 """FlashAttention backward: delta, then dK/dV per key block, then dQ per query block (no atomics); on
-Hopper with ``deterministic=False``, one fused Gluon kernel instead (see its section below).
+Hopper a Gluon kernel for dK/dV instead (see its section below), which with ``deterministic=False`` also
+computes dQ (fused).
 
 With ``p_ij = exp(s_ij - lse_i)`` recomputed from the forward's LSE (FlashAttention-2's algorithm):
 
@@ -13,7 +14,8 @@ Determinism: each dK/dV program owns one key block of one KV head and walks, in 
 query head of its GQA group and every query block that may see it; each dQ program owns one query
 block of one head. Nothing is accumulated across programs, so these gradients are bit-identical run to
 run. The fused Hopper kernel sums dq across programs in fp32 (TMA reduce-add), so it is taken only for
-``deterministic=False`` (FA2's default).
+``deterministic=False`` (FA2's default); ``deterministic=True`` calls on Hopper pair its dK/dV-only form
+(``HopperBwdConfig.with_dq=False``, the same per-program sums) with the dQ kernel here.
 
 The masked/unmasked split of the query (resp. key) blocks mirrors the forward's; masks, softcap,
 ALiBi and dropout come from the forward's device helpers, so both passes see the same scores.
@@ -493,9 +495,9 @@ if HAVE_GLUON:
                       stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2, scale,
                       window_left, window_right, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr):
+                      EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr, WITH_DQ: gl.constexpr):
         """One warpgroup: keys ``n0 + W * BLOCK_N / 2 ...``; accumulates their dK and dV over every step and
-        computes columns ``W * D / 2 ...`` of each step's dQ partial."""
+        (``WITH_DQ``) computes columns ``W * D / 2 ...`` of each step's dQ partial."""
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_N: gl.constexpr = HEAD_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -540,30 +542,32 @@ if HAVE_GLUON:
             dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
             ds_op = gl.convert_layout(dsT, op_layout)
             dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-            # ds^T into the shared buffer once the other warpgroup has read the previous step's
-            mbarrier.wait(ds_free, (t & 1) ^ 1)
-            ds_w.store(dsT)
-            fence_async_shared()
-            mbarrier.arrive(ds_full)
-            if not EARLY_DQ:
+            if WITH_DQ:
+                # ds^T into the shared buffer once the other warpgroup has read the previous step's
+                mbarrier.wait(ds_free, (t & 1) ^ 1)
+                ds_w.store(dsT)
+                fence_async_shared()
+                mbarrier.arrive(ds_full)
+            if not (EARLY_DQ and WITH_DQ):
                 dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op))
                 mbarrier.arrive(empty.index(s))
-            # dQ partial [BLOCK_M, DQ_N] = ds [BLOCK_M, BLOCK_N] @ K[:, W * DQ_N ...]; with EARLY_DQ queued behind
-            # dV and dK, without draining the tensor cores in between
-            mbarrier.wait(ds_full, t & 1)
-            zero_dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)
-            dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
-            if EARLY_DQ:
-                dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok))
-                mbarrier.arrive(empty.index(s))
-            else:
-                dq = warpgroup_mma_wait(0, deps=(dq_tok,))
-            mbarrier.arrive(ds_free)
-            b = t % 2
-            mbarrier.wait(dq_free.index(b), ((t // 2) & 1) ^ 1)
-            dq_smem.index(b).slice(W * DQ_N, DQ_N, dim=1).store(dq)
-            fence_async_shared()
-            mbarrier.arrive(dq_full.index(b))
+            if WITH_DQ:
+                # dQ partial [BLOCK_M, DQ_N] = ds [BLOCK_M, BLOCK_N] @ K[:, W * DQ_N ...]; with EARLY_DQ queued
+                # behind dV and dK, without draining the tensor cores in between
+                mbarrier.wait(ds_full, t & 1)
+                zero_dq = gl.zeros([BLOCK_M, DQ_N], gl.float32, dq_layout)
+                dq_tok = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+                if EARLY_DQ:
+                    dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok))
+                    mbarrier.arrive(empty.index(s))
+                else:
+                    dq = warpgroup_mma_wait(0, deps=(dq_tok,))
+                mbarrier.arrive(ds_free)
+                b = t % 2
+                mbarrier.wait(dq_free.index(b), ((t // 2) & 1) ^ 1)
+                dq_smem.index(b).slice(W * DQ_N, DQ_N, dim=1).store(dq)
+                fence_async_shared()
+                mbarrier.arrive(dq_full.index(b))
 
         _bwd_store_dkdv(DK, DV, dk, dv, dk_base, dv_base, stride_dks, stride_dvs, nw0, 0, seqlen_k, scale, HALF,
                         HEAD_DIM, o_layout)
@@ -668,9 +672,9 @@ if HAVE_GLUON:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
-                         EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr):
-        """dk, dv of BLOCK_N key rows of one (sequence, KV head) and their share of dq (added into an fp32
-        accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
+                         EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr, WITH_DQ: gl.constexpr):
+        """dk, dv of BLOCK_N key rows of one (sequence, KV head) and (``WITH_DQ``) their share of dq (added into
+        an fp32 accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
         ``SPLIT_D``: the consumer warpgroups split the head dim instead of the keys (``_bwd_consumer_split_d``),
         and each ring slot's Q and dO bytes take the step's dQ partial once dead (no separate dQ tiles)."""
         pid_n = gl.program_id(0)
@@ -719,7 +723,10 @@ if HAVE_GLUON:
             do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
             ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_desc.layout)
+            if WITH_DQ:
+                dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, HEAD_DIM], dq_desc.layout)
+            else:
+                dq_smem = ds_smem   # not used
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         fix = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -760,24 +767,41 @@ if HAVE_GLUON:
                 (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, empty, start_q, h0, lo, n_q, total, HEAD_DIM, BLOCK_M,
                                   DQ_BUFS)),
             ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
-        else:
+        elif WITH_DQ:
             gl.warp_specialize([
                 (_bwd_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, FRESH_KV)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
                 (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, FRESH_KV)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
                                  fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False)),
                 (_bwd_dq_writer, (dq_desc, dq_smem, dq_full, dq_free, start_q, h0, lo, n_q, total, HEAD_DIM, BLOCK_M,
                                   DQ_BUFS)),
             ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
+        else:
+            # dK and dV only: dQ comes from the Triton dQ kernel (``HopperBwdConfig.with_dq``)
+            gl.warp_specialize([
+                (_bwd_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
+                                 ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
+                                 stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
+                                 scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
+                (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
+                                 ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
+                                 stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
+                                 scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
+                (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+                                 fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
+                                 HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False)),
+            ], [4, 1], [CONSUMER_REGS, WORKER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -836,10 +860,15 @@ class HopperBwdConfig:
     # descriptors are rebuilt in each step instead of hoisted out of the loop, spilled and reloaded right
     # before the products
     fresh_kv: bool = True
+    # False: the Gluon kernel computes dK and dV only, and the Triton dQ kernel (``bwd_configs``) writes dq
+    # directly: no fp32 accumulator to zero and scale, no reduce-adds, and the same bits run to run
+    with_dq: bool = True
 
     def __post_init__(self):
         if self.split_d and self.early_dq:
             raise ValueError("HopperBwdConfig: early_dq applies to the two-consumer schedule, not to split_d")
+        if self.split_d and not self.with_dq:
+            raise ValueError("HopperBwdConfig: with_dq=False applies to the two-consumer schedule, not to split_d")
 
 
 # Keyed by (head dim, causal or windowed). Chosen on an H100 (bf16, 2026-11-23, 3 interleaved rounds of
@@ -866,33 +895,56 @@ _D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
                       (64, True): HopperBwdConfig(64, 3, early_dq=True, fresh_kv=False),
                       (256, False): _D256, (256, True): _D256}
+# ``deterministic=True``: the Gluon kernel for dK and dV (each program sums its keys' gradients over the
+# query blocks in a fixed order) and the Triton dQ kernel for dq (``with_dq=False``): no atomics, so the
+# same bits run to run. H100, bf16, 2026-11-24, 3 interleaved rounds of do_bench medians, backward only,
+# TFLOP/s, against the two Triton kernels: D 128 4x16x4096 full 429 vs 411, causal 372 vs 302; D 64
+# 8x16x2048 causal 264 (2 slots; 3 slots 260) vs 224. D 64 full keeps the two kernels (314 vs 334, and 340
+# vs 345 at 4x16x4096), D 256 too (its head-dim split schedule has no dQ-less form).
+HOPPER_DETERMINISTIC_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2, with_dq=False),
+                                    (128, True): HopperBwdConfig(64, 2, with_dq=False),
+                                    (64, True): HopperBwdConfig(64, 2, fresh_kv=False, with_dq=False)}
 
 
-def hopper_bwd_config(head_dim: int, masked: bool) -> HopperBwdConfig:
-    """The table's config; for a case the table leaves to the two kernels (tests may force the Gluon
-    kernel there), the masked case's."""
-    return HOPPER_BWD_CONFIGS.get((head_dim, masked)) or HOPPER_BWD_CONFIGS[(head_dim, True)]
+def hopper_bwd_config(head_dim: int, masked: bool, deterministic: bool = False) -> HopperBwdConfig | None:
+    """The table's config for a call (``HOPPER_DETERMINISTIC_BWD_CONFIGS`` when ``deterministic``), or None
+    where the table leaves it to the two Triton kernels."""
+    table = HOPPER_DETERMINISTIC_BWD_CONFIGS if deterministic else HOPPER_BWD_CONFIGS
+    return table.get((head_dim, masked))
 
 
-# tests: None takes the Gluon backward wherever it applies on Hopper (deterministic=False only); False
-# never; True also raises if it does not apply (so a test cannot silently run the other kernels)
+# tests: None takes the Gluon backward wherever the tables have a config on Hopper; False never; True
+# also raises if it does not apply (so a test cannot silently run the other kernels)
 hopper_mode: bool | None = None
 hopper_config_override: HopperBwdConfig | None = None
 
 
+def _hopper_cfg(prob: Problem, deterministic: bool) -> HopperBwdConfig | None:
+    """The Gluon backward's config for this call: the override, the table's, or where the table has none
+    and a test forces the kernel (``hopper_mode``), the masked case's (with dQ left to the Triton kernel when
+    ``deterministic``); None: the two Triton kernels."""
+    if hopper_config_override is not None:
+        return hopper_config_override
+    masked = prob.window_left >= 0 or prob.window_right >= 0
+    cfg = hopper_bwd_config(prob.head_dim, masked, deterministic)
+    if cfg is None and hopper_mode is True:
+        cfg = HOPPER_BWD_CONFIGS.get((prob.head_dim, True))
+        if cfg is not None and deterministic and not cfg.split_d:
+            cfg = dataclasses.replace(cfg, with_dq=False, early_dq=False)
+    return cfg
+
+
 def hopper_backward_applies(tensors, prob: Problem, deterministic: bool) -> bool:
-    """Whether the fused Gluon backward takes this call: not ``deterministic``, Hopper (sm_90), fp16/bf16,
-    head dim 128 or 256, or 64 with a causal or windowed mask (``HOPPER_BWD_CONFIGS``; tests forcing the
-    kernel also get D 64 without a mask), heads contiguous in q/k/v/dO (``[rows, H * D]`` views for TMA), no
-    softcap, ALiBi or dropout."""
+    """Whether the Gluon backward takes this call: Hopper (sm_90), fp16/bf16, a config in the tables
+    (``_hopper_cfg``; head dim 128 or 256, or 64 with a causal or windowed mask; ``deterministic`` calls only
+    with ``with_dq=False``), heads contiguous in q/k/v/dO (``[rows, H * D]`` views for TMA), no softcap,
+    ALiBi or dropout."""
     if hopper_mode is False:
         return False
     q = tensors[0]
-    masked = prob.window_left >= 0 or prob.window_right >= 0
-    known = (prob.head_dim, masked) in HOPPER_BWD_CONFIGS or (
-        hopper_mode is True and prob.head_dim in (64, 128, 256))
-    ok = (HAVE_GLUON and not deterministic and not is_interpreter() and q.is_cuda and is_hopper(q.device)
-          and q.dtype in (torch.float16, torch.bfloat16) and known
+    cfg = _hopper_cfg(prob, deterministic)
+    ok = (HAVE_GLUON and cfg is not None and not (deterministic and cfg.with_dq) and not is_interpreter()
+          and q.is_cuda and is_hopper(q.device) and q.dtype in (torch.float16, torch.bfloat16)
           and prob.softcap == 0 and prob.alibi_slopes is None and prob.dropout_p == 0
           and use_tensor_descriptors(tensors, prob.is_varlen)
           and all(t.stride(-2) == prob.head_dim for t in tensors))
@@ -904,11 +956,12 @@ def hopper_backward_applies(tensors, prob: Problem, deterministic: bool) -> bool
 class _BwdPlan:
     """The backward's launches for one call signature (``_fwd.plan_key``), each a ``CachedLaunch`` or None
     (empty grid): ``delta``; then either ``fused`` (the Gluon kernel, with descriptor templates for q, dO,
-    k, v and the fp32 dQ accumulator) or ``dkdv`` (one or two launches) and ``dq`` (with templates for the
-    operands each streams, on the TMA path); and the integer arguments of each."""
+    k, v and the fp32 dQ accumulator) or ``dkdv`` (one or two launches); ``dq`` (with templates for the
+    operands it streams, on the TMA path) for the Triton kernels and for a Gluon kernel without dQ
+    (``with_dq`` False); and the integer arguments of each."""
 
-    __slots__ = ("is_fused", "fused", "delta", "delta_ints", "descs", "ints", "dkdv", "dkdv_descs", "dkdv_ints", "dq",
-                 "dq_descs", "dq_ints")
+    __slots__ = ("is_fused", "with_dq", "fused", "delta", "delta_ints", "descs", "ints", "dkdv", "dkdv_descs",
+                 "dkdv_ints", "dq", "dq_descs", "dq_ints")
 
 
 # call signature -> _BwdPlan; the config tables are read when a plan is made (``clear_plans``)
@@ -920,11 +973,14 @@ def clear_plans() -> None:
     _BWD_PLANS.clear()
 
 
-def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem) -> _BwdPlan:
-    """``dq_acc``: the fused kernel's fp32 dQ accumulator, None for the two Triton kernels."""
+def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem,
+                   cfg: HopperBwdConfig | None) -> _BwdPlan:
+    """``cfg``: the Gluon kernel's config (``dq_acc``: its fp32 dQ accumulator, or None when the Triton dQ
+    kernel writes dq, ``HopperBwdConfig.with_dq``), or None for the two Triton kernels."""
     varlen = prob.is_varlen
     plan = _BwdPlan()
-    plan.is_fused = fused = dq_acc is not None
+    plan.is_fused = fused = cfg is not None
+    plan.with_dq = dq_acc is not None
     plan.fused = plan.dkdv = plan.dq = plan.descs = plan.dkdv_descs = plan.dq_descs = None
     pad = head_dim_pad(prob.head_dim)
     block = 64 if pad <= 128 else 32
@@ -933,23 +989,7 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem) -
                                                           IS_VARLEN=varlen), num_warps=4) if grid[0] else None
     plan.delta_ints = (*seq_strides(out, varlen), *seq_strides(dout, varlen), *lse_strides(lse, varlen),
                        prob.max_seqlen_q, prob.num_heads)
-    masked = prob.window_left >= 0 or prob.window_right >= 0
     group = prob.num_heads // prob.num_kv_heads
-    if fused:
-        cfg = hopper_config_override or hopper_bwd_config(prob.head_dim, masked)
-        grid = (cdiv(prob.max_seqlen_k, cfg.block_n), prob.batch * prob.num_kv_heads)
-        if grid[0]:
-            ensure_cuda_context(q.device.index)
-            plan.descs = tuple(as_template(hopper_descriptor(t, row_count(t, varlen), block)) for t, block in (
-                (q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n), (dq_acc, cfg.block_m)))
-            plan.fused = CachedLaunch(_attn_bwd_hopper, grid, dict(
-                HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
-                IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
-                SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs,
-                EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv), num_warps=4)
-        plan.ints = (*seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen),
-                     prob.max_seqlen_q, prob.max_seqlen_k, prob.num_kv_heads, group)
-        return plan
     dkdv_cfg, dq_cfg = bwd_configs(prob.head_dim)
     flags = prob.flags()
     # TMA loads for the operands the loops stream (q and dO in dK/dV, k and v in dQ)
@@ -960,17 +1000,35 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem) -
         plan.dkdv_descs = tuple(as_template(row_descriptor(t, varlen, dkdv_cfg.block_m, pad)) for t in (q, dout))
         plan.dq_descs = tuple(as_template(row_descriptor(t, varlen, dq_cfg.block_n, pad)) for t in (k, v))
     strides = (*seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), *seq_strides(dout, varlen))
-    # keys that no query sees get zero gradients: the dK/dV grid covers every key block
-    grid = (cdiv(prob.max_seqlen_k, dkdv_cfg.block_n), prob.batch * prob.num_kv_heads)
-    if grid[0]:
-        passes = ((True, False), (False, True)) if dkdv_cfg.split_dkdv else ((True, True),)
-        plan.dkdv = tuple(CachedLaunch(_attn_bwd_dkdv, grid, dict(
-            HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n, **flags,
-            USE_TMA=use_tma, COMPUTE_DK=compute_dk, COMPUTE_DV=compute_dv),
-            num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages) for compute_dk, compute_dv in passes)
-    plan.dkdv_ints = (*strides, *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen),
-                      prob.alibi_batch_stride(), prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads,
-                      prob.num_kv_heads, group)
+    if fused:
+        grid = (cdiv(prob.max_seqlen_k, cfg.block_n), prob.batch * prob.num_kv_heads)
+        if grid[0]:
+            ensure_cuda_context(q.device.index)
+            # without a dQ accumulator the kernel takes q's descriptor in its place, unused
+            plan.descs = tuple(as_template(hopper_descriptor(t, row_count(t, varlen), block)) for t, block in (
+                (q, cfg.block_m), (dout, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n),
+                (q if dq_acc is None else dq_acc, cfg.block_m)))
+            plan.fused = CachedLaunch(_attn_bwd_hopper, grid, dict(
+                HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+                IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
+                SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs,
+                EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, WITH_DQ=dq_acc is not None), num_warps=4)
+        plan.ints = (*seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen),
+                     prob.max_seqlen_q, prob.max_seqlen_k, prob.num_kv_heads, group)
+        if dq_acc is not None:
+            return plan
+    else:
+        # keys that no query sees get zero gradients: the dK/dV grid covers every key block
+        grid = (cdiv(prob.max_seqlen_k, dkdv_cfg.block_n), prob.batch * prob.num_kv_heads)
+        if grid[0]:
+            passes = ((True, False), (False, True)) if dkdv_cfg.split_dkdv else ((True, True),)
+            plan.dkdv = tuple(CachedLaunch(_attn_bwd_dkdv, grid, dict(
+                HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=dkdv_cfg.block_m, BLOCK_N=dkdv_cfg.block_n,
+                **flags, USE_TMA=use_tma, COMPUTE_DK=compute_dk, COMPUTE_DV=compute_dv),
+                num_warps=dkdv_cfg.num_warps, num_stages=dkdv_cfg.num_stages) for compute_dk, compute_dv in passes)
+        plan.dkdv_ints = (*strides, *seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen),
+                          prob.alibi_batch_stride(), prob.max_seqlen_q, prob.max_seqlen_k, prob.num_heads,
+                          prob.num_kv_heads, group)
     grid = (cdiv(prob.max_seqlen_q, dq_cfg.block_m), prob.batch * prob.num_heads)
     if grid[0]:
         plan.dq = CachedLaunch(_attn_bwd_dq, grid, dict(
@@ -984,9 +1042,10 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem) -
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, prob: Problem, deterministic: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for checked inputs (last dims contiguous). ``deterministic=False`` lets Hopper take the
-    fused Gluon kernel, whose dQ is summed across programs by TMA reduce-adds. The launches come from the
-    call signature's plan (``_BwdPlan``), made on its first call."""
+    """(dq, dk, dv) for checked inputs (last dims contiguous). On Hopper the Gluon kernel computes dK and
+    dV; with ``deterministic=False`` it also sums dQ across programs by TMA reduce-adds (or leaves dQ to the
+    Triton kernel where the table says so), with ``deterministic=True`` dQ always comes from the Triton dQ
+    kernel. The launches come from the call signature's plan (``_BwdPlan``), made on its first call."""
     if not on_current_device(q):
         with torch.cuda.device(q.device):  # triton launches on the current device
             return backward(dout, q, k, v, out, lse, prob, deterministic)
@@ -995,19 +1054,25 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                     prob.seed_offset), prob, deterministic, config_override, hopper_mode, hopper_config_override,
                    _fwd.tma_mode)
     plan = _BWD_PLANS.get(key)
-    fused = plan.is_fused if plan is not None else hopper_backward_applies((q, k, v, dout), prob, deterministic)
+    if plan is not None:
+        fused, with_dq = plan.is_fused, plan.with_dq
+    else:
+        fused = hopper_backward_applies((q, k, v, dout), prob, deterministic)
+        cfg = _hopper_cfg(prob, deterministic) if fused else None
+        with_dq = fused and cfg.with_dq
     # varlen: rows past cu_seqlens[-1] get zero gradients (no program writes them; garbage there would
     # flow back into whatever produced q, k and v). The fused path writes every row of dq.
     alloc = torch.zeros if varlen else torch.empty
-    dq = (torch.empty if fused else alloc)(q.shape, dtype=q.dtype, device=q.device)
+    dq = (torch.empty if with_dq else alloc)(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # the fused kernel's fp32 dQ accumulator, laid out as q (rows no program reaches stay 0)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else None
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if with_dq else None
     if plan is None:
-        plan = cache_put(_BWD_PLANS, key, _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob), 256)
+        plan = cache_put(_BWD_PLANS, key, _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob, cfg),
+                         256)
     delta = torch.empty_like(lse)
     cu_q, cu_k, alibi, seed = prob.pointers(q)
     if plan.delta is not None:
@@ -1015,17 +1080,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p = prob.scalars()
     if fused:
         if plan.fused is not None:
-            q_desc, do_desc, k_desc, v_desc, dq_desc = rebased(plan.descs, (q, dout, k, v, dq_acc))
-            cu_q, cu_k, _, _ = prob.pointers(lse)
-            plan.fused((q_desc, k_desc, v_desc, do_desc, dq_desc, dk, dv, lse, delta, cu_q, cu_k, *plan.ints,
+            q_desc, do_desc, k_desc, v_desc, dq_desc = rebased(plan.descs, (q, dout, k, v,
+                                                                            q if dq_acc is None else dq_acc))
+            cu_lq, cu_lk, _, _ = prob.pointers(lse)
+            plan.fused((q_desc, k_desc, v_desc, do_desc, dq_desc, dk, dv, lse, delta, cu_lq, cu_lk, *plan.ints,
                         qk_scale_log2, prob.softmax_scale, window_left, window_right), q.device)
-        torch.mul(dq_acc, prob.softmax_scale, out=dq)
-        return dq, dk, dv
+        if with_dq:
+            torch.mul(dq_acc, prob.softmax_scale, out=dq)
+            return dq, dk, dv
     common = (qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p, prob.softmax_scale)
     pointers = (cu_q, cu_k, alibi, seed)
-    q_src, do_src = rebased(plan.dkdv_descs, (q, dout))
-    for launch in plan.dkdv or ():
-        launch((q_src, k, v, do_src, dk, dv, lse, delta, *pointers, *plan.dkdv_ints, *common), q.device)
+    if not fused:
+        q_src, do_src = rebased(plan.dkdv_descs, (q, dout))
+        for launch in plan.dkdv or ():
+            launch((q_src, k, v, do_src, dk, dv, lse, delta, *pointers, *plan.dkdv_ints, *common), q.device)
     if plan.dq is not None:
         k_src, v_src = rebased(plan.dq_descs, (k, v))
         plan.dq((q, k_src, v_src, dout, dq, lse, delta, *pointers, *plan.dq_ints, *common), q.device)

@@ -997,8 +997,10 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem,
     if use_tma:
         if q.is_cuda:
             ensure_cuda_context(q.device.index)
-        plan.dkdv_descs = tuple(as_template(row_descriptor(t, varlen, dkdv_cfg.block_m, pad)) for t in (q, dout))
-        plan.dq_descs = tuple(as_template(row_descriptor(t, varlen, dq_cfg.block_n, pad)) for t in (k, v))
+        if not fused:
+            plan.dkdv_descs = tuple(as_template(row_descriptor(t, varlen, dkdv_cfg.block_m, pad)) for t in (q, dout))
+        if dq_acc is None:
+            plan.dq_descs = tuple(as_template(row_descriptor(t, varlen, dq_cfg.block_n, pad)) for t in (k, v))
     strides = (*seq_strides(q, varlen), *seq_strides(k, varlen), *seq_strides(v, varlen), *seq_strides(dout, varlen))
     if fused:
         grid = (cdiv(prob.max_seqlen_k, cfg.block_n), prob.batch * prob.num_kv_heads)

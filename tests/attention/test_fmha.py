@@ -705,6 +705,10 @@ def test_hopper_backward_config_rejects_early_dq_with_split_d():
     assert HopperBwdConfig(64, 3, early_dq=True).early_dq
     with pytest.raises(ValueError, match="early_dq"):
         HopperBwdConfig(64, 2, block_n=64, split_d=True, early_dq=True)
+    # the same for the statistics loaded a step ahead (the split schedule loads them its own way)
+    assert HopperBwdConfig(64, 2, stats_ahead=True).stats_ahead
+    with pytest.raises(ValueError, match="stats_ahead"):
+        HopperBwdConfig(64, 2, block_n=64, split_d=True, stats_ahead=True)
 
 
 # ====================================================================================================

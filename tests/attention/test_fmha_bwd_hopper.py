@@ -79,6 +79,34 @@ def test_hopper_backward_deterministic(case, hopper):
     check_case(case, hopper)
 
 
+# each step's LSE and delta loaded a step ahead (HopperBwdConfig.stats_ahead; the tables' at head dim 64) with
+# head dim 128 too, with and without dQ in the kernel: steps past the last one load nothing, heads of a GQA group
+# and sequence ends (zero-length sequences included) pick the right rows
+AHEAD_CASES = [c for i, c in enumerate(CASES) if i in (1, 3, 11, 12, 15)]
+
+
+@pytest.mark.parametrize("with_dq", [True, False])
+@pytest.mark.parametrize("case", [c.param() for c in AHEAD_CASES])
+def test_hopper_backward_stats_ahead(case, with_dq, hopper, monkeypatch):
+    monkeypatch.setattr(_bwd, "hopper_config_override", _bwd.HopperBwdConfig(64, 2, stats_ahead=True, with_dq=with_dq))
+    if not with_dq:
+        case = dataclasses.replace(case, options={**case.options, "deterministic": True})
+    check_case(case, hopper)
+
+
+def test_hopper_backward_stale_accumulator(hopper):
+    """The fp32 dQ accumulator comes from torch.empty in batch mode and is zeroed by the delta kernel: memory
+    that held NaN right before (the caching allocator hands the block back) must not reach dq."""
+    q, k, v, dout = (random_tensor((2, 1000, 8, 64), BF16, hopper) for _ in range(4))
+    clean = _grads(q, k, v, dout, causal=True)
+    for _ in range(3):
+        poison = torch.full(q.shape, float("nan"), dtype=torch.float32, device=hopper)
+        del poison
+        dq = _grads(q, k, v, dout, causal=True)[0]
+        assert not torch.isnan(dq).any(), "a stale accumulator reached dq"
+        torch.testing.assert_close(dq, clean[0], atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_hopper_deterministic_pieces(hopper, monkeypatch, head_dim):
     """deterministic=True: the same bits in two runs; dk and dv those of the default Gluon kernel (the same

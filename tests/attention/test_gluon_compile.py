@@ -23,7 +23,8 @@ import sys
 import pytest
 
 FORWARD_CASES = {"fwd-D128-causal": (128, True), "fwd-D256-full": (256, False)}
-# bwd-D64-full compiles the D 64 entry (3 ring slots, early_dq); bwd-D128-causal the default step order
+# bwd-D64-full compiles the D 64 full entry (2 ring slots, early_dq, stats_ahead); bwd-D128-causal the default
+# step order
 # (head dim, causal / "window", dQ in the Gluon kernel or None for the table's choice)
 BACKWARD_CASES = {"bwd-D128-causal": (128, True, None), "bwd-D64-full": (64, False, None),
                   "bwd-D64-causal-with-dq": (64, True, True), "bwd-D64-full-dkdv-only": (64, False, False),
@@ -92,8 +93,7 @@ def _compile_backward(head_dim: int, causal: bool, with_dq: bool | None):
 
     from tilekernels.attention import _bwd, _fwd
 
-    # the table's config, or (D 64 full, left to the Triton kernels) the masked case's
-    cfg = _bwd.hopper_bwd_config(head_dim, bool(causal)) or _bwd.HOPPER_BWD_CONFIGS[(head_dim, True)]
+    cfg = _bwd.hopper_bwd_config(head_dim, bool(causal))
     if with_dq is not None:
         cfg = dataclasses.replace(cfg, with_dq=with_dq)
     window = causal == "window"
@@ -114,7 +114,8 @@ def _compile_backward(head_dim: int, causal: bool, with_dq: bool | None):
     return _compile_sm90(_bwd._attn_bwd_hopper, args, dict(
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_VARLEN=True,
         HAS_LEFT=window, HAS_RIGHT=bool(causal), SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs,
-        WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, WITH_DQ=cfg.with_dq))
+        WORKER_REGS=cfg.worker_regs, EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, WITH_DQ=cfg.with_dq,
+        STATS_AHEAD=cfg.stats_ahead))
 
 
 def _compile_paged(page_size: int):

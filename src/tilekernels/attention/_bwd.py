@@ -82,11 +82,12 @@ if HAVE_GLUON:
 
 
 @triton.jit
-def _attn_bwd_delta(Out, DO, Delta, CuSeqlensQ, stride_ob, stride_os, stride_oh, stride_dob, stride_dos,
-                    stride_doh, stride_lb, stride_lh, seqlen_q_batch, num_heads,
+def _attn_bwd_delta(Out, DO, Delta, CuSeqlensQ, DqAcc, stride_ob, stride_os, stride_oh, stride_dob, stride_dos,
+                    stride_doh, stride_lb, stride_lh, stride_ab, stride_as, stride_ah, seqlen_q_batch, num_heads,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                    IS_VARLEN: tl.constexpr):
-    """delta[b, h, i] = sum_d do * o (fp32), laid out like LSE."""
+                    IS_VARLEN: tl.constexpr, ZERO_ACC: tl.constexpr):
+    """delta[b, h, i] = sum_d do * o (fp32), laid out like LSE; with ``ZERO_ACC`` also zeroes the same rows of
+    the Gluon backward's fp32 dQ accumulator (laid out as q), so that it needs no fill kernel of its own."""
     EVEN_D: tl.constexpr = HEAD_DIM == HEAD_DIM_PAD
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
@@ -105,6 +106,24 @@ def _attn_bwd_delta(Out, DO, Delta, CuSeqlensQ, stride_ob, stride_os, stride_oh,
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     ptrs = Delta + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + row0 + offs_tile
     tl.store(ptrs, delta, mask=offs_tile < seqlen_q - m0)
+    if ZERO_ACC:
+        acc = DqAcc + b.to(tl.int64) * stride_ab + row0 * stride_as + h.to(tl.int64) * stride_ah
+        tl.store(acc + offs_tile[:, None] * stride_as + offs_d[None, :], tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32),
+                 mask=(offs_tile[:, None] < seqlen_q - m0) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _scale_cast(Src, Dst, n, scale, BLOCK: tl.constexpr):
+    """dst = src * scale rounded to dst's dtype, over ``n`` contiguous elements: the Gluon backward's fp32 dQ
+    accumulator into dq. (It replaced ``torch.mul(acc, scale, out=dq)``, the same bits: H100, D 64, +0.5% on
+    the whole backward.)"""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(Src + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    tl.store(Dst + offs, (x * scale).to(Dst.dtype.element_ty), mask=mask)
+
+
+_CAST_BLOCK = 4096
 
 
 @triton.jit
@@ -389,7 +408,9 @@ def _attn_bwd_dq(Q, K, V, DO, DQ, Lse, Delta, CuSeqlensQ, CuSeqlensK, AlibiSlope
 #   atomics from the writer (``red.global.add.v4.f32``) measured 35% slower than leaving dQ out.
 # That is 5 matrix products per (key block, query block) instead of the two-kernel path's 7. The dQ sum
 # order depends on which program's reduce lands first, so this path is taken only for
-# ``deterministic=False``; ``torch.mul`` into dq then scales and casts the accumulator.
+# ``deterministic=False``. The delta kernel zeroes the accumulator first (``_attn_bwd_delta``'s ``ZERO_ACC``),
+# ``_scale_cast`` then scales it into dq. With ``stats_ahead`` each consumer loads the next step's LSE and
+# delta rows during this step, so their L2 latency is off the path from the score product to its exp2.
 #
 # Head dim 256 (``SPLIT_D``): dK and dV of 64 keys take all of one warpgroup's registers, so a program
 # owns BLOCK_N = 64 keys and the consumers split the head dim instead. Each computes s^T and dp^T for
@@ -460,6 +481,19 @@ if HAVE_GLUON:
         return lse2, delta
 
     @gluon.jit
+    def _bwd_step_stats(Lse, Delta, l_base, stride_lh, t, lo, n_q, total, seqlen_q, BLOCK_M: gl.constexpr,
+                        layout: gl.constexpr):
+        """``_bwd_row_stats`` of step t (head h0 + t // n_q, query block lo + (t % n_q) * BLOCK_M) as the
+        columns of a ``layout`` tile; nothing is read for t past the last step (all rows masked)."""
+        g = t // gl.maximum(n_q, 1)
+        q_pos = lo + (t - g * n_q) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        row_ok = (q_pos < seqlen_q) & (t < total)
+        l_ptrs = l_base + g * stride_lh + q_pos
+        lse2 = gl.load(Lse + l_ptrs, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = gl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
+        return lse2, delta
+
+    @gluon.jit
     def _bwd_probs_t(sT, lse2, k_pos, q_pos, k_first, k_last, q_first, q_last, keys_whole, seqlen_k, diag,
                      qk_scale_log2, window_left, window_right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
         """p^T of a [keys, queries] score tile whose keys are ``k_first..k_last`` and queries
@@ -495,9 +529,11 @@ if HAVE_GLUON:
                       stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2, scale,
                       window_left, window_right, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                      EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr, WITH_DQ: gl.constexpr):
+                      EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr, WITH_DQ: gl.constexpr,
+                      STATS_AHEAD: gl.constexpr):
         """One warpgroup: keys ``n0 + W * BLOCK_N / 2 ...``; accumulates their dK and dV over every step and
-        (``WITH_DQ``) computes columns ``W * D / 2 ...`` of each step's dQ partial."""
+        (``WITH_DQ``) computes columns ``W * D / 2 ...`` of each step's dQ partial. ``STATS_AHEAD``: each step's
+        LSE and delta rows are loaded during the step before (``HopperBwdConfig.stats_ahead``)."""
         HALF: gl.constexpr = BLOCK_N // 2
         DQ_N: gl.constexpr = HEAD_DIM // 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -518,6 +554,9 @@ if HAVE_GLUON:
 
         dk = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         dv = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        if STATS_AHEAD:
+            lse2_next, delta_next = _bwd_step_stats(Lse, Delta, l_base, stride_lh, 0, lo, n_q, total, seqlen_q,
+                                                    BLOCK_M, s_layout)
         mbarrier.wait(kv_bar, 0)
         for t in range(total):
             g = t // n_q
@@ -526,7 +565,11 @@ if HAVE_GLUON:
             q = q_bufs.index(s)
             do = do_bufs.index(s)
             q_pos = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            lse2, delta = _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q)
+            if STATS_AHEAD:
+                lse2 = lse2_next
+                delta = delta_next
+            else:
+                lse2, delta = _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, seqlen_q)
             mbarrier.wait(ready.index(s), (t // STAGES) & 1)
             zero_s = gl.zeros([HALF, BLOCK_M], gl.float32, s_layout)
             k_w = _fresh(k_smem, t, FRESH_KV).slice(W * HALF, HALF, dim=0)
@@ -538,6 +581,11 @@ if HAVE_GLUON:
                               diag, qk_scale_log2, window_left, window_right, HAS_LEFT, HAS_RIGHT)
             dpT = warpgroup_mma_wait(0, deps=(dp_tok,))
             dsT = (pT * (dpT - gl.expand_dims(delta, 0))).to(dtype)
+            if STATS_AHEAD:
+                # the loads have a whole step to land: issued at the step's start, their L2 latency stalled the
+                # exp2 right after the score product (ncu, D 64: long-scoreboard stalls led)
+                lse2_next, delta_next = _bwd_step_stats(Lse, Delta, l_base, stride_lh, t + 1, lo, n_q, total,
+                                                        seqlen_q, BLOCK_M, s_layout)
             p_op = gl.convert_layout(pT.to(dtype), op_layout)
             dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
             ds_op = gl.convert_layout(dsT, op_layout)
@@ -672,7 +720,8 @@ if HAVE_GLUON:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                          IS_VARLEN: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                          SPLIT_D: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr,
-                         EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr, WITH_DQ: gl.constexpr):
+                         EARLY_DQ: gl.constexpr, FRESH_KV: gl.constexpr, WITH_DQ: gl.constexpr,
+                         STATS_AHEAD: gl.constexpr):
         """dk, dv of BLOCK_N key rows of one (sequence, KV head) and (``WITH_DQ``) their share of dq (added into
         an fp32 accumulator laid out as q); q/k/v/dO and the accumulator are descriptors over ``[rows, H * D]``.
         ``SPLIT_D``: the consumer warpgroups split the head dim instead of the keys (``_bwd_consumer_split_d``),
@@ -773,12 +822,12 @@ if HAVE_GLUON:
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ, STATS_AHEAD)),
                 (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ, STATS_AHEAD)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
                                  fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False)),
@@ -792,12 +841,12 @@ if HAVE_GLUON:
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ, STATS_AHEAD)),
                 (_bwd_consumer, (1, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,
                                  stride_dvs, l_base, stride_lh, n0, lo, n_q, total, seqlen_q, seqlen_k, qk_scale_log2,
                                  scale, window_left, window_right, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, HAS_LEFT,
-                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ)),
+                                 HAS_RIGHT, EARLY_DQ, FRESH_KV, WITH_DQ, STATS_AHEAD)),
                 (_bwd_producer, (q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
                                  fix, start_q, start_k + n0, hk * HEAD_DIM, h0, lo, n_q, total, n0, seqlen_q, seqlen_k,
                                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, False)),
@@ -863,18 +912,24 @@ class HopperBwdConfig:
     # False: the Gluon kernel computes dK and dV only, and the Triton dQ kernel (``bwd_configs``) writes dq
     # directly: no fp32 accumulator to zero and scale, no reduce-adds, and the same bits run to run
     with_dq: bool = True
+    # load each step's LSE and delta rows during the step before (two-consumer schedule): issued at the step's
+    # start, their L2 latency was exposed right after the score product
+    stats_ahead: bool = False
 
     def __post_init__(self):
         if self.split_d and self.early_dq:
             raise ValueError("HopperBwdConfig: early_dq applies to the two-consumer schedule, not to split_d")
         if self.split_d and not self.with_dq:
             raise ValueError("HopperBwdConfig: with_dq=False applies to the two-consumer schedule, not to split_d")
+        if self.split_d and self.stats_ahead:
+            raise ValueError("HopperBwdConfig: stats_ahead applies to the two-consumer schedule, not to split_d")
 
 
 # Keyed by (head dim, causal or windowed). Chosen on an H100 (bf16, 2026-11-23, 3 interleaved rounds of
 # do_bench medians, backward only, TFLOP/s; benchmarks/NOTES.md), fused against the two-kernel path:
 # D 128 full 400-424 vs 394-422, causal 322-382 vs 303-342; D 64 causal 235 vs 214, but D 64 full 307 vs
-# 327, so that case keeps the two kernels. 128-row query blocks: 116-167 at D 64 (D 128 does not fit).
+# 327, so that case kept the two kernels until ``stats_ahead`` (below). 128-row query blocks: 116-167 at D 64
+# (D 128 does not fit).
 # D 256: 64 keys per program, both warpgroups over all of them with half the head dim each (dK and dV of
 # 64 keys x 256 columns in fp32 are 128 registers per thread of one warpgroup). K, V, p, ds and two ring
 # slots take 208 KiB of shared memory; a separate fp32 dQ tile (64 KiB) would leave room for one slot only
@@ -886,24 +941,34 @@ _D256 = HopperBwdConfig(64, 2, block_n=64, split_d=True)
 # rounds): D 64 causal 8x16x2048 253-259 TFLOP/s against 246-247, but D 128 0.95-0.96x of the default
 # (4x16x4096 full and causal, 2x16x8192 causal), so it is on for D 64 only. D 64 in a second run (medians):
 # causal 2 slots 221, with early_dq 249, 3 slots 258, 4 slots 257; full 308-321 for the fused variants against
-# the two kernels' 320, so D 64 full keeps the two kernels.
+# the two kernels' 320, so D 64 full kept the two kernels.
 # ``fresh_kv`` (H100, 2026-11-23, 3 interleaved rounds, TFLOP/s, off / on / on with K of the dQ product also
 # fresh): D 128 4x16x4096 full 402 / 484 / 440, causal 322 / 406 / 391, 1x16x16384 causal 388 / 490 / 497; D 256
 # full 306 / 357 / 365, causal 276 / 345 / 338. D 64 causal (36-52 bytes of spill stores) 219 / 216 / 236 in rounds
-# spread over 150-264, so it keeps the old addressing; D 64 full fused with fresh_kv measured 324 against the two
-# kernels' 324.
+# spread over 150-264, so it kept the old addressing; D 64 full fused with fresh_kv measured 324 against the two
+# kernels' 324. Both changed with ``stats_ahead`` (each step's LSE and delta loaded during the step before;
+# H100, 2026-11-24, 5 interleaved rounds, 8x16x2048x64, TFLOP/s; ncu had long-scoreboard stalls first at D 64,
+# tensor pipes 33-35% busy): full, with
+# fresh_kv, 2 / 3 / 4 slots 351-353 / 333 / 347-350, without stats_ahead 329, the two kernels 327-328; causal
+# 2 / 3 / 4 / 5 / 6 slots 270 / 265 / 271-272 / 258 / 256, the old config 259-261. With the fill folded into the
+# delta kernel and the Triton cast (``_scale_cast``): full 357 vs 326, causal 275 vs 260. D 128 stays without it:
+# ptxas spills rise (causal 340 -> 608 bytes) and it measured 396 vs 408 (causal), 485 vs 488 (full).
 HOPPER_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2), (128, True): HopperBwdConfig(64, 2),
-                      (64, True): HopperBwdConfig(64, 3, early_dq=True, fresh_kv=False),
+                      (64, False): HopperBwdConfig(64, 2, early_dq=True, stats_ahead=True),
+                      (64, True): HopperBwdConfig(64, 4, early_dq=True, stats_ahead=True),
                       (256, False): _D256, (256, True): _D256}
 # ``deterministic=True``: the Gluon kernel for dK and dV (each program sums its keys' gradients over the
 # query blocks in a fixed order) and the Triton dQ kernel for dq (``with_dq=False``): no atomics, so the
 # same bits run to run. H100, bf16, 2026-11-24, 3 interleaved rounds of do_bench medians, backward only,
 # TFLOP/s, against the two Triton kernels: D 128 4x16x4096 full 429 vs 411, causal 372 vs 302; D 64
-# 8x16x2048 causal 264 (2 slots; 3 slots 260) vs 224. D 64 full keeps the two kernels (314 vs 334, and 340
-# vs 345 at 4x16x4096), D 256 too (its head-dim split schedule has no dQ-less form).
+# 8x16x2048 causal 264 (2 slots; 3 slots 260) vs 224. D 64 full kept the two kernels (314 vs 334, and 340
+# vs 345 at 4x16x4096) until ``stats_ahead`` with ``fresh_kv`` (same day, 3 rounds, 8x16x2048x64): full 341 vs
+# 328, causal 274 vs 262 for the config before (the same bits). D 256 keeps the two kernels (its head-dim split
+# schedule has no dQ-less form).
+_D64_DETERMINISTIC = HopperBwdConfig(64, 2, with_dq=False, stats_ahead=True)
 HOPPER_DETERMINISTIC_BWD_CONFIGS = {(128, False): HopperBwdConfig(64, 2, with_dq=False),
                                     (128, True): HopperBwdConfig(64, 2, with_dq=False),
-                                    (64, True): HopperBwdConfig(64, 2, fresh_kv=False, with_dq=False)}
+                                    (64, False): _D64_DETERMINISTIC, (64, True): _D64_DETERMINISTIC}
 
 
 def hopper_bwd_config(head_dim: int, masked: bool, deterministic: bool = False) -> HopperBwdConfig | None:
@@ -955,13 +1020,14 @@ def hopper_backward_applies(tensors, prob: Problem, deterministic: bool) -> bool
 
 class _BwdPlan:
     """The backward's launches for one call signature (``_fwd.plan_key``), each a ``CachedLaunch`` or None
-    (empty grid): ``delta``; then either ``fused`` (the Gluon kernel, with descriptor templates for q, dO,
-    k, v and the fp32 dQ accumulator) or ``dkdv`` (one or two launches); ``dq`` (with templates for the
+    (empty grid): ``delta`` (which also zeroes the fp32 dQ accumulator when ``zero_acc``); then either
+    ``fused`` (the Gluon kernel, with descriptor templates for q, dO, k, v and the accumulator, and ``cast``,
+    which scales the accumulator into dq) or ``dkdv`` (one or two launches); ``dq`` (with templates for the
     operands it streams, on the TMA path) for the Triton kernels and for a Gluon kernel without dQ
     (``with_dq`` False); and the integer arguments of each."""
 
-    __slots__ = ("is_fused", "with_dq", "fused", "delta", "delta_ints", "descs", "ints", "dkdv", "dkdv_descs",
-                 "dkdv_ints", "dq", "dq_descs", "dq_ints")
+    __slots__ = ("is_fused", "with_dq", "zero_acc", "cast", "fused", "delta", "delta_ints", "descs", "ints", "dkdv",
+                 "dkdv_descs", "dkdv_ints", "dq", "dq_descs", "dq_ints")
 
 
 # call signature -> _BwdPlan; the config tables are read when a plan is made (``clear_plans``)
@@ -981,14 +1047,18 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem,
     plan = _BwdPlan()
     plan.is_fused = fused = cfg is not None
     plan.with_dq = dq_acc is not None
-    plan.fused = plan.dkdv = plan.dq = plan.descs = plan.dkdv_descs = plan.dq_descs = None
+    plan.fused = plan.dkdv = plan.dq = plan.descs = plan.dkdv_descs = plan.dq_descs = plan.cast = None
     pad = head_dim_pad(prob.head_dim)
     block = 64 if pad <= 128 else 32
     grid = (cdiv(prob.max_seqlen_q, block), prob.batch * prob.num_heads)
+    # the delta kernel zeroes the dQ accumulator too, except in varlen mode, where rows past cu_seqlens_q[-1]
+    # belong to no sequence (the accumulator comes zeroed there)
+    plan.zero_acc = zero_acc = dq_acc is not None and not varlen
     plan.delta = CachedLaunch(_attn_bwd_delta, grid, dict(HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=block,
-                                                          IS_VARLEN=varlen), num_warps=4) if grid[0] else None
+                                                          IS_VARLEN=varlen, ZERO_ACC=zero_acc),
+                              num_warps=4) if grid[0] else None
     plan.delta_ints = (*seq_strides(out, varlen), *seq_strides(dout, varlen), *lse_strides(lse, varlen),
-                       prob.max_seqlen_q, prob.num_heads)
+                       *(seq_strides(dq_acc, varlen) if zero_acc else (0, 0, 0)), prob.max_seqlen_q, prob.num_heads)
     group = prob.num_heads // prob.num_kv_heads
     dkdv_cfg, dq_cfg = bwd_configs(prob.head_dim)
     flags = prob.flags()
@@ -1014,10 +1084,12 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem,
                 HEAD_DIM=prob.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
                 IS_VARLEN=varlen, HAS_LEFT=prob.window_left >= 0, HAS_RIGHT=prob.window_right >= 0,
                 SPLIT_D=cfg.split_d, CONSUMER_REGS=cfg.consumer_regs, WORKER_REGS=cfg.worker_regs,
-                EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, WITH_DQ=dq_acc is not None), num_warps=4)
+                EARLY_DQ=cfg.early_dq, FRESH_KV=cfg.fresh_kv, WITH_DQ=dq_acc is not None,
+                STATS_AHEAD=cfg.stats_ahead), num_warps=4)
         plan.ints = (*seq_strides(dk, varlen), *seq_strides(dv, varlen), *lse_strides(lse, varlen),
                      prob.max_seqlen_q, prob.max_seqlen_k, prob.num_kv_heads, group)
         if dq_acc is not None:
+            plan.cast = CachedLaunch(_scale_cast, cdiv(dq.numel(), _CAST_BLOCK), dict(BLOCK=_CAST_BLOCK), num_warps=4)
             return plan
     else:
         # keys that no query sees get zero gradients: the dK/dV grid covers every key block
@@ -1070,15 +1142,18 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    # the fused kernel's fp32 dQ accumulator, laid out as q (rows no program reaches stay 0)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if with_dq else None
+    # the fused kernel's fp32 dQ accumulator, laid out as q (rows no program reaches stay 0): zeroed by the delta
+    # kernel (``_BwdPlan.zero_acc``), or here in varlen mode
+    dq_acc = None
+    if with_dq:
+        dq_acc = (torch.zeros if varlen else torch.empty)(q.shape, dtype=torch.float32, device=q.device)
     if plan is None:
         plan = cache_put(_BWD_PLANS, key, _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob, cfg),
                          256)
     delta = torch.empty_like(lse)
     cu_q, cu_k, alibi, seed = prob.pointers(q)
     if plan.delta is not None:
-        plan.delta((out, dout, delta, cu_q, *plan.delta_ints), q.device)
+        plan.delta((out, dout, delta, cu_q, dq_acc if plan.zero_acc else delta, *plan.delta_ints), q.device)
     qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p = prob.scalars()
     if fused:
         if plan.fused is not None:
@@ -1088,7 +1163,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             plan.fused((q_desc, k_desc, v_desc, do_desc, dq_desc, dk, dv, lse, delta, cu_lq, cu_lk, *plan.ints,
                         qk_scale_log2, prob.softmax_scale, window_left, window_right), q.device)
         if with_dq:
-            torch.mul(dq_acc, prob.softmax_scale, out=dq)
+            plan.cast((dq_acc, dq, dq.numel(), prob.softmax_scale), q.device)
             return dq, dk, dv
     common = (qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p, prob.softmax_scale)
     pointers = (cu_q, cu_k, alibi, seed)

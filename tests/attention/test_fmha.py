@@ -24,6 +24,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 import tilekernels as tk
 from tilekernels.attention._fwd import draw_philox_seed, dropout_keep_mask
@@ -709,6 +710,34 @@ def test_hopper_backward_config_rejects_early_dq_with_split_d():
     assert HopperBwdConfig(64, 2, stats_ahead=True).stats_ahead
     with pytest.raises(ValueError, match="stats_ahead"):
         HopperBwdConfig(64, 2, block_n=64, split_d=True, stats_ahead=True)
+
+
+def test_backward_side_kernels(device):
+    """The Gluon backward's two Triton helpers, launched directly (the Gluon kernel itself runs on Hopper only):
+    the delta kernel zeroing the fp32 dQ accumulator (``ZERO_ACC``) and ``_scale_cast``. Odd sizes, outputs
+    poisoned with NaN, and NaN sentinels around the accumulator's rows and columns that must stay untouched."""
+    from tilekernels.attention import _bwd
+
+    B, S, H, D = 2, 37, 3, 40   # D pads to 64; 37 rows are not a multiple of the 16-row blocks
+    out = random_tensor((B, S, H, D), torch.bfloat16, device)
+    dout = random_tensor((B, S, H, D), torch.bfloat16, device)
+    delta = torch.full((B, H, S), float("nan"), device=device)
+    acc_full = torch.full((B, S + 3, H, D + 8), float("nan"), device=device)
+    acc = acc_full[:, :S, :, :D]
+    _bwd._attn_bwd_delta[(triton.cdiv(S, 16), B * H)](
+        out, dout, delta, delta, acc, *out.stride()[:3], *dout.stride()[:3], *delta.stride()[:2], *acc.stride()[:3],
+        S, H, HEAD_DIM=D, HEAD_DIM_PAD=64, BLOCK_M=16, IS_VARLEN=False, ZERO_ACC=True)
+    expect = (out.double() * dout.double()).sum(-1).transpose(1, 2)
+    torch.testing.assert_close(delta.double(), expect, atol=1e-5, rtol=1e-5)
+    assert not acc.any(), "accumulator rows not zeroed"
+    assert acc_full[:, S:].isnan().all() and acc_full[..., D:].isnan().all(), "zeroed past the accumulator's rows"
+
+    n = 4099
+    src = random_tensor((n,), torch.float32, device) * 100
+    dst = torch.full((n + 5,), float("nan"), dtype=torch.bfloat16, device=device)
+    _bwd._scale_cast[(triton.cdiv(n, 1024),)](src, dst, n, 0.125, BLOCK=1024)
+    assert torch.equal(dst[:n], torch.mul(src, 0.125).to(torch.bfloat16)), "not torch.mul's rounding"
+    assert dst[n:].isnan().all(), "written past n"
 
 
 # ====================================================================================================

@@ -120,7 +120,7 @@ def _scale_cast(Src, Dst, n, scale, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(Src + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    tl.store(Dst + offs, (x * scale).to(Dst.dtype.element_ty), mask=mask)
+    tl.store(Dst + offs, cast_for_store(x * scale, Dst.dtype.element_ty), mask=mask)
 
 
 _CAST_BLOCK = 4096
@@ -487,11 +487,7 @@ if HAVE_GLUON:
         columns of a ``layout`` tile; nothing is read for t past the last step (all rows masked)."""
         g = t // gl.maximum(n_q, 1)
         q_pos = lo + (t - g * n_q) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-        row_ok = (q_pos < seqlen_q) & (t < total)
-        l_ptrs = l_base + g * stride_lh + q_pos
-        lse2 = gl.load(Lse + l_ptrs, mask=row_ok, other=float("inf")) * 1.4426950408889634
-        delta = gl.load(Delta + l_ptrs, mask=row_ok, other=0.0)
-        return lse2, delta
+        return _bwd_row_stats(Lse, Delta, l_base, g, stride_lh, q_pos, gl.where(t < total, seqlen_q, 0))
 
     @gluon.jit
     def _bwd_probs_t(sT, lse2, k_pos, q_pos, k_first, k_last, q_first, q_last, keys_whole, seqlen_k, diag,
@@ -1020,13 +1016,13 @@ def hopper_backward_applies(tensors, prob: Problem, deterministic: bool) -> bool
 
 class _BwdPlan:
     """The backward's launches for one call signature (``_fwd.plan_key``), each a ``CachedLaunch`` or None
-    (empty grid): ``delta`` (which also zeroes the fp32 dQ accumulator when ``zero_acc``); then either
+    (empty grid): ``delta`` (which also zeroes the fp32 dQ accumulator, except in varlen mode); then either
     ``fused`` (the Gluon kernel, with descriptor templates for q, dO, k, v and the accumulator, and ``cast``,
     which scales the accumulator into dq) or ``dkdv`` (one or two launches); ``dq`` (with templates for the
     operands it streams, on the TMA path) for the Triton kernels and for a Gluon kernel without dQ
     (``with_dq`` False); and the integer arguments of each."""
 
-    __slots__ = ("is_fused", "with_dq", "zero_acc", "cast", "fused", "delta", "delta_ints", "descs", "ints", "dkdv",
+    __slots__ = ("is_fused", "with_dq", "cast", "fused", "delta", "delta_ints", "descs", "ints", "dkdv",
                  "dkdv_descs", "dkdv_ints", "dq", "dq_descs", "dq_ints")
 
 
@@ -1052,8 +1048,8 @@ def _make_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, dq_acc, prob: Problem,
     block = 64 if pad <= 128 else 32
     grid = (cdiv(prob.max_seqlen_q, block), prob.batch * prob.num_heads)
     # the delta kernel zeroes the dQ accumulator too, except in varlen mode, where rows past cu_seqlens_q[-1]
-    # belong to no sequence (the accumulator comes zeroed there)
-    plan.zero_acc = zero_acc = dq_acc is not None and not varlen
+    # belong to no sequence (``backward`` allocates it zeroed there)
+    zero_acc = dq_acc is not None and not varlen
     plan.delta = CachedLaunch(_attn_bwd_delta, grid, dict(HEAD_DIM=prob.head_dim, HEAD_DIM_PAD=pad, BLOCK_M=block,
                                                           IS_VARLEN=varlen, ZERO_ACC=zero_acc),
                               num_warps=4) if grid[0] else None
@@ -1143,7 +1139,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # the fused kernel's fp32 dQ accumulator, laid out as q (rows no program reaches stay 0): zeroed by the delta
-    # kernel (``_BwdPlan.zero_acc``), or here in varlen mode
+    # kernel, or here in varlen mode (``_make_bwd_plan``)
     dq_acc = None
     if with_dq:
         dq_acc = (torch.zeros if varlen else torch.empty)(q.shape, dtype=torch.float32, device=q.device)
@@ -1153,7 +1149,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     delta = torch.empty_like(lse)
     cu_q, cu_k, alibi, seed = prob.pointers(q)
     if plan.delta is not None:
-        plan.delta((out, dout, delta, cu_q, dq_acc if plan.zero_acc else delta, *plan.delta_ints), q.device)
+        plan.delta((out, dout, delta, cu_q, delta if dq_acc is None else dq_acc, *plan.delta_ints), q.device)
     qk_scale_log2, softcap_log2, scale_over_cap, window_left, window_right, dropout_p = prob.scalars()
     if fused:
         if plan.fused is not None:

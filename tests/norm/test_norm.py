@@ -598,6 +598,26 @@ def test_forward_persistent_is_bit_identical(block_m, prefetch, device):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: output {i} differs"
 
 
+@pytest.mark.parametrize("sms", [132, 114, 7])
+def test_persistent_forward_grid_is_balanced(sms, monkeypatch):
+    """The persistent forward grid takes the fewest programs that need as many rounds as SM count x
+    programs_per_sm would (never more programs than that, nor than tiles)."""
+    monkeypatch.setattr(kern, "sm_count", lambda device: sms)
+    for per_sm in (1, 2):
+        config = kern.RowConfig(2, 1024, 4, programs_per_sm=per_sm, persistent=True)
+        cap = per_sm * sms
+        for M in list(range(1, 600)) + [4095, 4096, 4097, 65536]:
+            tiles = triton.cdiv(M, 2)
+            grid = kern.forward_grid(M, 4096, config, "cpu")
+            assert 1 <= grid <= min(tiles, cap)
+            rounds = triton.cdiv(tiles, min(tiles, cap))
+            assert triton.cdiv(tiles, grid) == rounds, (M, grid)
+            assert grid == 1 or triton.cdiv(tiles, grid - 1) > rounds, (M, grid)
+    config = kern.RowConfig(1, 16384, 16, programs_per_sm=1, persistent=True)
+    if sms == 132:   # smooth_quant at 4096 x 32768 on an H100: 32 rows each for 128 programs, not 31-32 for 132
+        assert kern.forward_grid(4096, 32768, config, "cpu") == 128
+
+
 def test_backward_only_s_used(device):
     """With only s in the loss, dx = dresidual = grad_s and dweight = 0 (y's gradient is absent)."""
     case = norm_case("layer_norm", torch.float32, 3, 1000, residual=True)

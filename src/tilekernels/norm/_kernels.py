@@ -818,11 +818,15 @@ def forward_config(N: int, device, kind: str | None = None) -> RowConfig:
 
 def forward_grid(M: int, N: int, config: RowConfig, device) -> int:
     """One program per row tile for whole rows (unless ``persistent``); a persistent grid for chunked
-    ones."""
+    ones, with as few programs as take the same number of rounds: 4096 rows on 132 SMs are 32 rounds
+    either way, and 128 programs of 32 rows leave no round in which four programs run alone
+    (smooth_quant at 4096x32768 on an H100: 0.895 -> 0.900 of copy bandwidth timed directly, level in
+    the bench; benchmarks/NOTES.md)."""
     tiles_m = triton.cdiv(M, config.block_m)
     if N <= config.block_n and not config.persistent:
         return tiles_m
-    return max(1, min(tiles_m, config.programs_per_sm * sm_count(device)))
+    programs = max(1, min(tiles_m, config.programs_per_sm * sm_count(device)))
+    return triton.cdiv(tiles_m, triton.cdiv(tiles_m, programs))
 
 
 def backward_config(N: int, norm: str, device) -> RowConfig:

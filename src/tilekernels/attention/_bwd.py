@@ -831,7 +831,9 @@ if HAVE_GLUON:
                                   DQ_BUFS)),
             ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
         else:
-            # dK and dV only: dQ comes from the Triton dQ kernel (``HopperBwdConfig.with_dq``)
+            # dK and dV only: dQ comes from the Triton dQ kernel (``HopperBwdConfig.with_dq``). The partitions are
+            # written out again, without the dQ writer: triton 3.6's Gluon takes the partition list only as a
+            # literal, not built in a variable
             gl.warp_specialize([
                 (_bwd_consumer, (0, k_smem, v_smem, q_bufs, do_bufs, ds_smem, dq_smem, kv_bar, ready, empty, ds_full,
                                  ds_free, dq_full, dq_free, DK, DV, Lse, Delta, dk_base, dv_base, stride_dks,

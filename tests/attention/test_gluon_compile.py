@@ -1,9 +1,10 @@
-"""The Gluon kernels (the Hopper attention forward, backward and paged prefill, and the norms' wide-row
-backward) compile for sm_90, on any machine.
+"""The Gluon kernels (the Hopper attention forward, backward and paged prefill, the norms' wide-row
+backward and the quantising forward) compile for sm_90, on any machine.
 
 The interpreter cannot run Gluon, so these kernels' numerics are tested in the GPU lane only
 (``test_fmha_hopper.py``, ``test_fmha_bwd_hopper.py``, ``test_paged_hopper.py``, and
-``tests/norm/test_norm.py``'s ``test_gpu_smem_backward``). What the CPU lane can
+``tests/norm/test_norm.py``'s ``test_gpu_smem_backward``, ``tests/quant/test_quant.py``'s
+``test_gpu_smem_quant``). What the CPU lane can
 catch is a kernel that no longer compiles with the installed triton (the project supports 3.6 and 3.9,
 whose Gluon APIs differ): each case
 builds its launch's descriptors with the host helper and compiles to an sm_90 cubin. The compiling runs
@@ -64,6 +65,12 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
     source = GluonASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                             attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+# the quantising forward (norm/_gluon._quant_rows_smem): (kind, N, x dtype name, quant dtype name); the MoE
+# case takes its SMEM_QUANT_CONFIGS entry, the others a config of their own
+QUANT_CASES = {"quant-moe-4096": ("moe", 4096, "bfloat16", "int8"),
+               "quant-smooth-masked": ("smooth", 7168, "float16", "float8_e4m3fn"),
+               "quant-dynamic-fp32": ("dynamic", 2048, "float32", "int8")}
 
 
 def _compile_forward(head_dim: int, causal: bool):
@@ -164,6 +171,30 @@ def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, s
         PREFETCH=prefetch, BLOCK_N=block_n, VEC=vec, SPLIT=split), num_warps=num_warps)
 
 
+def _compile_quant(kind: str, N: int, dtype: str, quant_dtype: str):
+    import torch
+    import triton
+
+    from tilekernels.norm import _gluon, _kernels
+    from tilekernels.norm.norm import QUANT_MAX
+
+    T, E, k = 64, 8, 2
+    x_dtype, q_dtype = getattr(torch, dtype), getattr(torch, quant_dtype)
+    block_n = triton.next_power_of_2(N)
+    config = _kernels.SMEM_QUANT_CONFIGS.get((kind, block_n), _kernels.SmemQuantConfig(8, 3, 2))
+    moe = kind == "moe"
+    rows = T * k if moe else T
+    args = dict(x_ptr=torch.empty(T, N, dtype=x_dtype), smooth_ptr=torch.empty(E, N) if kind != "dynamic" else None,
+                topk_ptr=torch.empty(T, k, dtype=torch.int32) if moe else None,
+                q_ptr=torch.empty(rows, N, dtype=q_dtype), scale_ptr=torch.empty(rows), T=T, N=N,
+                num_experts=E, stride_xm=N, stride_sm=N if moe else 0, stride_tk_t=k if moe else 0,
+                stride_tk_j=1 if moe else 0)
+    return _compile_sm90(_gluon._quant_rows_smem, args, dict(
+        QUANT=_kernels.QUANTS[kind if kind != "moe" else "smooth"], QMAX=QUANT_MAX[q_dtype], TOPK=k if moe else 0,
+        BLOCK_N=block_n, VEC=16 // x_dtype.itemsize, STAGES=config.stages, EVEN_N=N == block_n),
+        num_warps=config.num_warps)
+
+
 def _main() -> None:
     """Compile every case; print one JSON object: case -> "ok" (a non-empty cubin) or the error."""
     from tilekernels.attention import _fwd
@@ -174,7 +205,8 @@ def _main() -> None:
     jobs = {**{name: (_compile_forward, case) for name, case in FORWARD_CASES.items()},
             **{name: (_compile_backward, case) for name, case in BACKWARD_CASES.items()},
             **{name: (_compile_paged, (page,)) for name, page in PAGED_CASES.items()},
-            **{name: (_compile_norm_backward, case) for name, case in NORM_CASES.items()}}
+            **{name: (_compile_norm_backward, case) for name, case in NORM_CASES.items()},
+            **{name: (_compile_quant, case) for name, case in QUANT_CASES.items()}}
     results = {}
     for name, (build, case) in jobs.items():
         try:
@@ -201,7 +233,7 @@ def compiled(tmp_path_factory) -> dict:
     return results
 
 
-@pytest.mark.parametrize("case", [*FORWARD_CASES, *BACKWARD_CASES, *PAGED_CASES, *NORM_CASES])
+@pytest.mark.parametrize("case", [*FORWARD_CASES, *BACKWARD_CASES, *PAGED_CASES, *NORM_CASES, *QUANT_CASES])
 def test_gluon_kernel_compiles_for_sm90(case, compiled):
     assert compiled[case] == "ok", f"{case}: {compiled[case]}"
 

@@ -421,6 +421,124 @@ def test_gpu_moe_smooth_quant(H, id_dtype, quant_dtype, device, poison_allocatio
                        torch_moe_rows(x, smooth_scale, topk_ids), quant_dtype)
 
 
+# the Gluon forward (norm/_gluon._quant_rows_smem): x streamed through a cp.async ring in shared memory
+SMEM_QUANT_CASES = [
+    # (kind, T, N, x dtype, SmemQuantConfig arguments (warps, stages, programs per SM))
+    ("smooth", 999, 32768, torch.bfloat16, (16, 3, 1)),
+    ("smooth", 300, 16384, torch.float16, (16, 4, 1)),
+    ("smooth", 257, 7168, torch.bfloat16, (8, 2, 2)),      # N not a power of two: masked columns
+    ("smooth", 64, 4096, torch.float32, (4, 4, 2)),
+    ("dynamic", 777, 32768, torch.bfloat16, (16, 3, 1)),
+    ("dynamic", 100, 4112, torch.bfloat16, (4, 3, 3)),
+    ("moe", 1000, 4096, torch.bfloat16, (4, 2, 4)),       # the table's configs (SMEM_QUANT_CONFIGS)
+    ("moe", 333, 7168, torch.bfloat16, (8, 2, 2)),
+    ("moe", 200, 4096, torch.float16, (4, 3, 2)),
+    ("moe", 513, 16384, torch.bfloat16, (16, 3, 1)),
+    ("moe", 129, 32768, torch.bfloat16, (16, 2, 1)),
+]
+
+
+def _smem_quant_run(kind, x, smooth_scale, topk_ids, quant_dtype, config):
+    """(q, row_scale, whether the Gluon kernel ran) with ``config`` (None: the Triton forward)."""
+    from tilekernels.norm import _gluon
+    from tilekernels.norm import _kernels as kern
+    from tilekernels.norm import norm as norm_module
+
+    saved = kern.config_override.copy()
+    kern.config_override.clear()
+    if config is None:
+        kern.config_override["smem_quant"] = None
+        kern.config_override["forward"] = kern.forward_config(x.shape[1], x.device, kind)
+    else:
+        kern.config_override["smem_quant"] = config
+    norm_module._FORWARD_PLANS.clear()
+    try:
+        if kind == "dynamic":
+            out = tk.dynamic_quant(x, quant_dtype)
+        elif kind == "smooth":
+            out = tk.smooth_quant(x, smooth_scale, quant_dtype)
+        else:
+            out = tk.moe_smooth_quant(x, smooth_scale, topk_ids, quant_dtype)
+        ran = any(plan.kernel is getattr(_gluon, "_quant_rows_smem", None)
+                  for plan in norm_module._FORWARD_PLANS.values())
+    finally:
+        kern.config_override.clear()
+        kern.config_override.update(saved)
+        norm_module._FORWARD_PLANS.clear()
+    return (*out, ran)
+
+
+def test_smem_quant_table():
+    """Which calls the Gluon forward's table gives it (on a GPU): MoE rows of 4096 and 8192 columns with k <= 2
+    (k 8 measured slower than the Triton kernel), no other kind or width; never on the CPU lane."""
+    from tilekernels.norm import _gluon
+    from tilekernels.norm import _kernels as kern
+
+    assert kern.smem_quant_config(4096, "moe", 2) is kern.SMEM_QUANT_CONFIGS[("moe", 4096)]
+    assert kern.smem_quant_config(7168, "moe", 1) is kern.SMEM_QUANT_CONFIGS[("moe", 8192)]
+    assert kern.smem_quant_config(4096, "moe", 8) is None
+    assert kern.smem_quant_config(16384, "moe", 2) is None
+    assert kern.smem_quant_config(4096, "smooth") is None and kern.smem_quant_config(4096, None) is None
+    x = torch.zeros(4, 4096, dtype=torch.bfloat16)
+    assert not _gluon.smem_quant_applies(x, kern.SMEM_QUANT_CONFIGS[("moe", 4096)], 4096)
+
+
+@gpu
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
+@pytest.mark.parametrize("kind, T, N, dtype, config", [
+    pytest.param(*c, id=f"{c[0]}-T{c[1]}N{c[2]}-{DTYPE_NAMES[c[3]]}-w{c[4][0]}s{c[4][1]}p{c[4][2]}")
+    for c in SMEM_QUANT_CASES])
+def test_gpu_smem_quant(kind, T, N, dtype, config, quant_dtype, device, poison_allocations):
+    """The Gluon forward against the fp64 reference and bit for bit against the Triton forward, with rows of
+    zeros and of NaN and (MoE) out-of-range expert ids among the others."""
+    from tilekernels.norm._kernels import SmemQuantConfig
+
+    x = rows(T, N, dtype, device)
+    x[3] = 0.0
+    x[T // 2, 5] = math.nan
+    x[T - 1] *= 1e-35   # tiny: scaled by 2^100 before the division
+    E, k = 16, 3
+    smooth_scale = torch.rand(E, N, device=device) + 0.5 if kind == "moe" else smooth(N, torch.float32, device)
+    topk_ids = routing(T, k, E, torch.int32, device) if kind == "moe" else None
+    bad_rows = []
+    if kind == "moe":
+        topk_ids[1, 2] = E
+        topk_ids[T - 2, 0] = -1
+        bad_rows = [2 * T + 1, T - 2]
+    q, row_scale, ran = _smem_quant_run(kind, x, smooth_scale, topk_ids, quant_dtype, SmemQuantConfig(*config))
+    assert ran, "the Gluon forward did not run"
+    q_ref, scale_ref, ran_ref = _smem_quant_run(kind, x, smooth_scale, topk_ids, quant_dtype, None)
+    assert not ran_ref
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "q differs from the Triton forward's"
+    assert torch.equal(row_scale.isnan(), scale_ref.isnan())
+    assert torch.equal(row_scale.nan_to_num(0.0), scale_ref.nan_to_num(0.0)), "row_scale differs from the Triton one"
+    if kind == "moe":
+        z = reference_moe_rows(x, smooth_scale, topk_ids)
+        torch_z = torch_moe_rows(x, smooth_scale, topk_ids)
+        torch_z[bad_rows] = math.nan
+    else:
+        factor = smooth_scale.double() if kind == "smooth" else 1.0
+        z = x.double() * factor
+        torch_z = x.float() * (smooth_scale if kind == "smooth" else 1.0)
+    assert_quant_close(f"gluon-{kind}", q, row_scale, z, torch_z, quant_dtype)
+
+
+@gpu
+def test_gpu_smem_quant_falls_back():
+    """x the Gluon forward cannot copy by cp.async (rows not 16-byte aligned, N not a multiple of 16, a column
+    stride) takes the Triton forward, and is right."""
+    from tilekernels.norm._kernels import SmemQuantConfig
+
+    device = torch.device("cuda")
+    cases = {"unaligned rows": rows(64, 4104, torch.bfloat16, device, "padded"),
+             "N 4100": rows(64, 4100, torch.bfloat16, device), "column step": rows(64, 4096, torch.bfloat16, device,
+                                                                                "step")}
+    for name, x in cases.items():
+        q, row_scale, ran = _smem_quant_run("dynamic", x, None, None, torch.int8, SmemQuantConfig(4, 3, 2))
+        assert not ran, f"{name}: the Gluon forward ran"
+        assert_quant_close(f"fallback {name}", q, row_scale, x.double(), x.float(), torch.int8)
+
+
 @gpu
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
 def test_gpu_add_rms_norm_quant(quant_dtype, device, poison_allocations):

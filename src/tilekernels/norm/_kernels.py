@@ -771,9 +771,49 @@ SMEM_BACKWARD_CONFIGS = {
     (65536, "rms"): SmemBackwardConfig(16, vec=8, split=4),
 }
 
+@dataclasses.dataclass(frozen=True)
+class SmemQuantConfig:
+    """The Gluon quantising forward (``_gluon._quant_rows_smem``): a persistent loop over rows of x that stream
+    through a ring of ``stages`` shared-memory rows filled by cp.async."""
+
+    num_warps: int
+    stages: int = 3
+    programs_per_sm: int = 1
+    # MoE: the most expert choices per token (k) it takes; None: any
+    max_topk: int | None = None
+
+
+# (kind, power-of-two width) -> SmemQuantConfig: where the Gluon quantising forward replaces the Triton one on a
+# GPU (when its ring fits in shared memory and x's rows suit cp.async). H100 sweep (bf16 x, int8, 256 MiB of x,
+# 3 interleaved rounds of do_bench medians, fractions of a copy timed in the same process, benchmarks/NOTES.md):
+# - moe_smooth_quant, E 8, k 2: 4096 columns 0.90 (4 warps, 4 programs per SM, 2 or 3 ring slots; the Triton
+#   kernel 0.82), 8192 0.86 (8 warps, 2 per SM, 2 slots; Triton 0.81; 3 slots 0.75). With E 64, k 2: 0.89 /
+#   0.86 against 0.80 / 0.82. But with k 8 (E 64) 0.50 / 0.52 against the Triton kernel's 0.58 / 0.60, so
+#   only k <= 2 takes it. At 16384 and 32768 the expert rows held one row ahead take too many registers
+#   (0.68-0.69 and 0.24 with spills, against 0.73).
+# - dynamic / smooth quantisation: slower than the Triton kernel at every width (smooth_quant 0.85 against
+#   0.90 at 32768, 0.93-0.95 against 0.96-0.98 at 4096-16384), so no entries.
+SMEM_QUANT_CONFIGS = {("moe", 4096): SmemQuantConfig(4, stages=2, programs_per_sm=4, max_topk=2),
+                      ("moe", 8192): SmemQuantConfig(8, stages=2, programs_per_sm=2, max_topk=2)}
+
 # tests and sweeps: {"forward": RowConfig, "backward": RowConfig, "smem_backward": SmemBackwardConfig, or None
-# for the Triton backward}
+# for the Triton backward, "smem_quant": SmemQuantConfig, or None for the Triton forward}
 config_override: dict = {}
+
+
+def smem_quant_config(N: int, kind: str | None, topk: int = 0) -> SmemQuantConfig | None:
+    """The Gluon forward's config for tk.dynamic_quant / smooth_quant / moe_smooth_quant (``kind``) rows of N
+    (``topk``: MoE's k), or None for the Triton forward."""
+    if kind is None:
+        return None
+    if "smem_quant" in config_override:
+        return config_override["smem_quant"]
+    if "forward" in config_override:
+        return None
+    config = SMEM_QUANT_CONFIGS.get((kind, triton.next_power_of_2(N)))
+    if config is not None and config.max_topk is not None and topk > config.max_topk:
+        return None
+    return config
 
 
 def smem_backward_config(N: int, norm: str) -> SmemBackwardConfig | None:

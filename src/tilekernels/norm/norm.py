@@ -135,11 +135,24 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
     if M == 0:
         return y, q, scale, s, mean, rstd
     key = (device, *map(tensor_key, (x, residual, x_bias, weight, bias, smooth_scale, topk_ids)), norm, quant,
-           quant_dtype, store_y, store_stats, kern.config_override.get("forward"))
+           quant_dtype, store_y, store_stats, kern.config_override.get("forward"),
+           kern.config_override.get("smem_quant", 0))
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         standalone = norm == "none" and residual is None and x_bias is None
         kind = ("moe" if topk_ids is not None else quant) if standalone else None
+        topk = topk_ids.shape[1] if topk_ids is not None else 0
+        smem = kern.smem_quant_config(N, kind, topk) if quantise and not (store_y or store_stats) else None
+        block_n = triton.next_power_of_2(N)
+        if _gluon.smem_quant_applies(x, smem, block_n):
+            T = x.shape[0]   # tokens: the loop's rows of x (MoE writes k rows for each)
+            programs = max(1, min(T, smem.programs_per_sm * sm_count(device)))
+            programs = cdiv(T, cdiv(T, programs))   # as few as take the same rounds (kern.forward_grid)
+            plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(_gluon._quant_rows_smem, programs, dict(
+                QUANT=kern.QUANTS[quant], QMAX=QUANT_MAX[quant_dtype],
+                TOPK=topk, BLOCK_N=block_n, VEC=16 // x.element_size(),
+                STAGES=smem.stages, EVEN_N=N == block_n), num_warps=smem.num_warps))
+    if plan is None:
         config = kern.forward_config(N, device, kind)
         constexprs = dict(
             NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_B=bias is not None, HAS_XBIAS=x_bias is not None,
@@ -151,6 +164,11 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(kern._row_forward, kern.forward_grid(M, N, config, device),
                                                            constexprs, num_warps=config.num_warps))
     moe = topk_ids is not None
+    if plan.kernel is not kern._row_forward:   # the Gluon quantising forward
+        plan((x, smooth_scale, topk_ids, q, scale, x.shape[0], N, smooth_scale.shape[0] if moe else 1, x.stride(0),
+              smooth_scale.stride(0) if moe else 0, topk_ids.stride(0) if moe else 0,
+              topk_ids.stride(1) if moe else 0), device)
+        return y, q, scale, s, mean, rstd
     plan((x, residual, x_bias, weight, bias, smooth_scale, topk_ids, y, q, scale, s, mean, rstd,
           M, N, x.shape[0], smooth_scale.shape[0] if moe else 1, x.stride(0), x.stride(1),
           residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,

@@ -1,5 +1,5 @@
 """The Gluon kernels (the Hopper attention forward, backward and paged prefill, the norms' wide-row
-backward and the quantising forward) compile for sm_90, on any machine.
+backward and moe_smooth_quant's forward) compile for sm_90, on any machine.
 
 The interpreter cannot run Gluon, so these kernels' numerics are tested in the GPU lane only
 (``test_fmha_hopper.py``, ``test_fmha_bwd_hopper.py``, ``test_paged_hopper.py``, and
@@ -66,12 +66,11 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
                             attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
-# the quantising forward (norm/_gluon._quant_rows_smem): (kind, N, x dtype name, quant dtype name); the MoE
-# case takes its SMEM_QUANT_CONFIGS entry, the others a config of their own
-QUANT_CASES = {"quant-moe-4096": ("moe", 4096, "bfloat16", "int8"),
-               "quant-smooth-masked": ("smooth", 7168, "float16", "float8_e4m3fn"),
-               "quant-dynamic-fp32": ("dynamic", 2048, "float32", "int8")}
-
+# moe_smooth_quant's Gluon forward (norm/_gluon._moe_rows_smem): (N, x dtype name, quant dtype name, k); the
+# widths with an SMEM_QUANT_CONFIGS entry take it, the others a config of their own
+QUANT_CASES = {"moe-quant-4096": (4096, "bfloat16", "int8", 2),
+               "moe-quant-masked": (7168, "float16", "float8_e4m3fn", 1),
+               "moe-quant-fp32": (2048, "float32", "int8", 3)}
 
 def _compile_forward(head_dim: int, causal: bool):
     import torch
@@ -171,28 +170,24 @@ def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, s
         PREFETCH=prefetch, BLOCK_N=block_n, VEC=vec, SPLIT=split), num_warps=num_warps)
 
 
-def _compile_quant(kind: str, N: int, dtype: str, quant_dtype: str):
+def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int):
     import torch
     import triton
 
     from tilekernels.norm import _gluon, _kernels
     from tilekernels.norm.norm import QUANT_MAX
 
-    T, E, k = 64, 8, 2
+    T, E = 64, 8
     x_dtype, q_dtype = getattr(torch, dtype), getattr(torch, quant_dtype)
     block_n = triton.next_power_of_2(N)
-    config = _kernels.SMEM_QUANT_CONFIGS.get((kind, block_n), _kernels.SmemQuantConfig(8, 3, 2))
-    moe = kind == "moe"
-    rows = T * k if moe else T
-    args = dict(x_ptr=torch.empty(T, N, dtype=x_dtype), smooth_ptr=torch.empty(E, N) if kind != "dynamic" else None,
-                topk_ptr=torch.empty(T, k, dtype=torch.int32) if moe else None,
-                q_ptr=torch.empty(rows, N, dtype=q_dtype), scale_ptr=torch.empty(rows), T=T, N=N,
-                num_experts=E, stride_xm=N, stride_sm=N if moe else 0, stride_tk_t=k if moe else 0,
-                stride_tk_j=1 if moe else 0)
-    return _compile_sm90(_gluon._quant_rows_smem, args, dict(
-        QUANT=_kernels.QUANTS[kind if kind != "moe" else "smooth"], QMAX=QUANT_MAX[q_dtype], TOPK=k if moe else 0,
-        BLOCK_N=block_n, VEC=16 // x_dtype.itemsize, STAGES=config.stages, EVEN_N=N == block_n),
-        num_warps=config.num_warps)
+    config = _kernels.SMEM_QUANT_CONFIGS.get(("moe", block_n), _kernels.SmemQuantConfig(8, 3, 2))
+    args = dict(x_ptr=torch.empty(T, N, dtype=x_dtype), smooth_ptr=torch.empty(E, N),
+                topk_ptr=torch.empty(T, k, dtype=torch.int32), q_ptr=torch.empty(T * k, N, dtype=q_dtype),
+                scale_ptr=torch.empty(T * k), T=T, N=N, num_experts=E, stride_xm=N, stride_sm=N, stride_tk_t=k,
+                stride_tk_j=1)
+    return _compile_sm90(_gluon._moe_rows_smem, args, dict(
+        QMAX=QUANT_MAX[q_dtype], TOPK=k, BLOCK_N=block_n, VEC=16 // x_dtype.itemsize, STAGES=config.stages,
+        EVEN_N=N == block_n), num_warps=config.num_warps)
 
 
 def _main() -> None:

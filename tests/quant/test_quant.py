@@ -421,25 +421,22 @@ def test_gpu_moe_smooth_quant(H, id_dtype, quant_dtype, device, poison_allocatio
                        torch_moe_rows(x, smooth_scale, topk_ids), quant_dtype)
 
 
-# the Gluon forward (norm/_gluon._quant_rows_smem): x streamed through a cp.async ring in shared memory
+# moe_smooth_quant's Gluon forward (norm/_gluon._moe_rows_smem): x streamed through a cp.async ring in shared memory
 SMEM_QUANT_CASES = [
-    # (kind, T, N, x dtype, SmemQuantConfig arguments (warps, stages, programs per SM))
-    ("smooth", 999, 32768, torch.bfloat16, (16, 3, 1)),
-    ("smooth", 300, 16384, torch.float16, (16, 4, 1)),
-    ("smooth", 257, 7168, torch.bfloat16, (8, 2, 2)),      # N not a power of two: masked columns
-    ("smooth", 64, 4096, torch.float32, (4, 4, 2)),
-    ("dynamic", 777, 32768, torch.bfloat16, (16, 3, 1)),
-    ("dynamic", 100, 4112, torch.bfloat16, (4, 3, 3)),
-    ("moe", 1000, 4096, torch.bfloat16, (4, 2, 4)),       # the table's configs (SMEM_QUANT_CONFIGS)
-    ("moe", 333, 7168, torch.bfloat16, (8, 2, 2)),
-    ("moe", 200, 4096, torch.float16, (4, 3, 2)),
-    ("moe", 513, 16384, torch.bfloat16, (16, 3, 1)),
-    ("moe", 129, 32768, torch.bfloat16, (16, 2, 1)),
+    # (T, H, k, x dtype, SmemQuantConfig arguments (warps, stages, programs per SM))
+    (1000, 4096, 2, torch.bfloat16, (4, 2, 4)),     # the table's configs (SMEM_QUANT_CONFIGS)
+    (333, 7168, 1, torch.bfloat16, (8, 2, 2)),      # H not a power of two: masked columns
+    (200, 4096, 3, torch.float16, (4, 3, 2)),
+    (64, 4096, 2, torch.float32, (4, 4, 2)),
+    (100, 4112, 4, torch.bfloat16, (4, 3, 3)),
+    (300, 16384, 2, torch.float16, (16, 4, 1)),
+    (129, 32768, 3, torch.bfloat16, (16, 2, 1)),
 ]
 
 
-def _smem_quant_run(kind, x, smooth_scale, topk_ids, quant_dtype, config):
-    """(q, row_scale, whether the Gluon kernel ran) with ``config`` (None: the Triton forward)."""
+def _smem_quant_run(x, smooth_scale, topk_ids, quant_dtype, config):
+    """(q, row_scale, whether the Gluon kernel ran) of moe_smooth_quant with ``config`` (None: the Triton
+    forward)."""
     from tilekernels.norm import _gluon
     from tilekernels.norm import _kernels as kern
     from tilekernels.norm import norm as norm_module
@@ -448,18 +445,13 @@ def _smem_quant_run(kind, x, smooth_scale, topk_ids, quant_dtype, config):
     kern.config_override.clear()
     if config is None:
         kern.config_override["smem_quant"] = None
-        kern.config_override["forward"] = kern.forward_config(x.shape[1], x.device, kind)
+        kern.config_override["forward"] = kern.forward_config(x.shape[1], x.device, "moe")
     else:
         kern.config_override["smem_quant"] = config
     norm_module._FORWARD_PLANS.clear()
     try:
-        if kind == "dynamic":
-            out = tk.dynamic_quant(x, quant_dtype)
-        elif kind == "smooth":
-            out = tk.smooth_quant(x, smooth_scale, quant_dtype)
-        else:
-            out = tk.moe_smooth_quant(x, smooth_scale, topk_ids, quant_dtype)
-        ran = any(plan.kernel is getattr(_gluon, "_quant_rows_smem", None)
+        out = tk.moe_smooth_quant(x, smooth_scale, topk_ids, quant_dtype)
+        ran = any(plan.kernel is getattr(_gluon, "_moe_rows_smem", None)
                   for plan in norm_module._FORWARD_PLANS.values())
     finally:
         kern.config_override.clear()
@@ -485,42 +477,34 @@ def test_smem_quant_table():
 
 @gpu
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
-@pytest.mark.parametrize("kind, T, N, dtype, config", [
-    pytest.param(*c, id=f"{c[0]}-T{c[1]}N{c[2]}-{DTYPE_NAMES[c[3]]}-w{c[4][0]}s{c[4][1]}p{c[4][2]}")
+@pytest.mark.parametrize("T, H, k, dtype, config", [
+    pytest.param(*c, id=f"T{c[0]}H{c[1]}k{c[2]}-{DTYPE_NAMES[c[3]]}-w{c[4][0]}s{c[4][1]}p{c[4][2]}")
     for c in SMEM_QUANT_CASES])
-def test_gpu_smem_quant(kind, T, N, dtype, config, quant_dtype, device, poison_allocations):
+def test_gpu_smem_quant(T, H, k, dtype, config, quant_dtype, device, poison_allocations):
     """The Gluon forward against the fp64 reference and bit for bit against the Triton forward, with rows of
-    zeros and of NaN and (MoE) out-of-range expert ids among the others."""
+    zeros, of NaN and tiny ones, and out-of-range expert ids among the others."""
     from tilekernels.norm._kernels import SmemQuantConfig
 
-    x = rows(T, N, dtype, device)
+    x = rows(T, H, dtype, device)
     x[3] = 0.0
     x[T // 2, 5] = math.nan
     x[T - 1] *= 1e-35   # tiny: scaled by 2^100 before the division
-    E, k = 16, 3
-    smooth_scale = torch.rand(E, N, device=device) + 0.5 if kind == "moe" else smooth(N, torch.float32, device)
-    topk_ids = routing(T, k, E, torch.int32, device) if kind == "moe" else None
-    bad_rows = []
-    if kind == "moe":
-        topk_ids[1, 2] = E
-        topk_ids[T - 2, 0] = -1
-        bad_rows = [2 * T + 1, T - 2]
-    q, row_scale, ran = _smem_quant_run(kind, x, smooth_scale, topk_ids, quant_dtype, SmemQuantConfig(*config))
+    E = 16
+    smooth_scale = torch.rand(E, H, device=device) + 0.5
+    topk_ids = routing(T, k, E, torch.int32, device)
+    topk_ids[1, k - 1] = E
+    topk_ids[T - 2, 0] = -1
+    bad_rows = [(k - 1) * T + 1, T - 2]
+    q, row_scale, ran = _smem_quant_run(x, smooth_scale, topk_ids, quant_dtype, SmemQuantConfig(*config))
     assert ran, "the Gluon forward did not run"
-    q_ref, scale_ref, ran_ref = _smem_quant_run(kind, x, smooth_scale, topk_ids, quant_dtype, None)
+    q_ref, scale_ref, ran_ref = _smem_quant_run(x, smooth_scale, topk_ids, quant_dtype, None)
     assert not ran_ref
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "q differs from the Triton forward's"
     assert torch.equal(row_scale.isnan(), scale_ref.isnan())
     assert torch.equal(row_scale.nan_to_num(0.0), scale_ref.nan_to_num(0.0)), "row_scale differs from the Triton one"
-    if kind == "moe":
-        z = reference_moe_rows(x, smooth_scale, topk_ids)
-        torch_z = torch_moe_rows(x, smooth_scale, topk_ids)
-        torch_z[bad_rows] = math.nan
-    else:
-        factor = smooth_scale.double() if kind == "smooth" else 1.0
-        z = x.double() * factor
-        torch_z = x.float() * (smooth_scale if kind == "smooth" else 1.0)
-    assert_quant_close(f"gluon-{kind}", q, row_scale, z, torch_z, quant_dtype)
+    torch_z = torch_moe_rows(x, smooth_scale, topk_ids)
+    torch_z[bad_rows] = math.nan
+    assert_quant_close("gluon-moe", q, row_scale, reference_moe_rows(x, smooth_scale, topk_ids), torch_z, quant_dtype)
 
 
 @gpu
@@ -534,9 +518,12 @@ def test_gpu_smem_quant_falls_back():
              "N 4100": rows(64, 4100, torch.bfloat16, device), "column step": rows(64, 4096, torch.bfloat16, device,
                                                                                 "step")}
     for name, x in cases.items():
-        q, row_scale, ran = _smem_quant_run("dynamic", x, None, None, torch.int8, SmemQuantConfig(4, 3, 2))
+        smooth_scale = torch.rand(4, x.shape[1], device=device) + 0.5
+        topk_ids = routing(x.shape[0], 2, 4, torch.int32, device)
+        q, row_scale, ran = _smem_quant_run(x, smooth_scale, topk_ids, torch.int8, SmemQuantConfig(4, 3, 2))
         assert not ran, f"{name}: the Gluon forward ran"
-        assert_quant_close(f"fallback {name}", q, row_scale, x.double(), x.float(), torch.int8)
+        assert_quant_close(f"fallback {name}", q, row_scale, reference_moe_rows(x, smooth_scale, topk_ids),
+                           torch_moe_rows(x, smooth_scale, topk_ids), torch.int8)
 
 
 @gpu

@@ -1,5 +1,5 @@
-"""Two kernels in Gluon: the norm backward for wide rows (dw and db summed in shared memory), and the
-quantising forward with x streamed through shared memory (``_quant_rows_smem``, at the end).
+"""Two kernels in Gluon: the norm backward for wide rows (dw and db summed in shared memory), and
+moe_smooth_quant's forward with x streamed through shared memory (``_moe_rows_smem``, at the end).
 
 The Triton backward (``_kernels._row_backward``) keeps a program's dw/db sums in registers. Past 8192
 columns a whole row of them does not fit beside the row's x and dy, so there each row is split over
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .._runtime import is_interpreter
-from ._kernels import NORM_LAYER, QUANT_SMOOTH
+from ._kernels import FP32_MAX, NORM_LAYER, PRESCALE, ROUND_HALF_EVEN, TINY_AMAX
 
 try:  # gluon ships with triton 3.6 and 3.9
     from triton.experimental import gluon
@@ -92,7 +92,7 @@ def smem_backward_applies(x: torch.Tensor, dy: torch.Tensor, ds, config, block_n
 
 
 def smem_quant_applies(x: torch.Tensor, config, block_n: int) -> bool:
-    """Whether the Gluon quantising forward runs ``config`` for x (``block_n``: the row's power-of-two width):
+    """Whether the Gluon MoE forward runs ``config`` for x (``block_n``: the row's power-of-two width):
     it needs Gluon, a CUDA device of compute capability 8.0 or later, unit column strides, rows that
     cp.async can copy 16 bytes at a time (16-byte aligned, N a multiple of 16) and a ring that fits in
     shared memory. Elsewhere the Triton forward runs."""
@@ -297,7 +297,7 @@ if HAVE_GLUON:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the quantising forward: x through a shared-memory ring
+# moe_smooth_quant's forward: x through a shared-memory ring
 #
 # moe_smooth_quant writes k quantised rows per row of x, each scaled by its expert's fp32 smooth row. The
 # Triton row kernel holds x and the expert row in registers, which caps the rows in flight per SM (0.81 of
@@ -305,9 +305,10 @@ if HAVE_GLUON:
 # into a ring of shared-memory rows by cp.async (no registers held for it), load each output row's expert
 # row one row ahead into registers (the ids two tokens ahead, so that load never waits for them), and read
 # x back from shared memory twice per output row (for max|z|, then for q) instead of holding z: 0.90 at
-# 4096 and 0.86 at 8192 columns with k 2 (``_kernels.SMEM_QUANT_CONFIGS``). The same loop does dynamic and
-# smooth quantisation (the smooth row loaded once per program); measured slower than the Triton kernel
-# there, so no table entry takes it, but the GPU tests check it bit for bit.
+# 4096 and 0.86 at 8192 columns with k 2 (``_kernels.SMEM_QUANT_CONFIGS``). The same loop for dynamic and
+# smooth quantisation measured slower than the Triton kernel, so it does MoE only. Gluon cannot call the
+# Triton kernel's jit functions, so ``_quant_row`` repeats ``_kernels._row_scales`` and ``_quantize``
+# (their constants are shared); the GPU tests check the two bit for bit.
 
 
 if HAVE_GLUON:
@@ -322,28 +323,19 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _smoothed(slot, smooth, layout: gl.constexpr, QUANT: gl.constexpr):
-        """z = x * smooth_scale (or x) fp32, x read from its ring slot."""
-        z = slot.load(layout).to(gl.float32)
-        if QUANT == QUANT_SMOOTH:
-            z = z * smooth
-        return z
-
-    @gluon.jit
     def _quant_row(slot, smooth, row, valid, q_ptr, scale_ptr, N, cols, mask_n, layout: gl.constexpr,
-                   QUANT: gl.constexpr, QMAX: gl.constexpr, STREAM: gl.constexpr):
+                   QMAX: gl.constexpr):
         """Quantise one row, z = x (from ring slot ``slot``) * ``smooth``, into row ``row`` of q and row_scale, as
         the Triton kernel's ``_row_scales`` and ``_quantize`` do (the same operations in the same order: the same
-        bits). z is computed twice, for max|z| and for q, rather than held: with the smooth scales that would
-        take more registers than a thread of 16 warps has at 32768 columns."""
-        amax = gl.reduce(gl.abs(_smoothed(slot, smooth, layout, QUANT)), 0, _max_nan)
+        bits). z is computed twice, for max|z| and for q, rather than held: fewer registers per thread, so more
+        programs per SM."""
+        amax = gl.reduce(gl.abs(slot.load(layout).to(gl.float32) * smooth), 0, _max_nan)
         scale = gl.where(valid, gl.div_rn(amax, QMAX), float("nan"))
-        nonzero = valid & (amax > 0.0) & (amax <= 3.4028234663852886e38)
-        prescale = gl.where(amax < 7.888609052210118e-31, 1.2676506002282294e30,   # 2^-100, 2^100
-                            gl.where(amax <= 3.4028234663852886e38, 1.0, 0.0))
+        nonzero = valid & (amax > 0.0) & (amax <= FP32_MAX)
+        prescale = gl.where(amax < TINY_AMAX, PRESCALE, gl.where(amax <= FP32_MAX, 1.0, 0.0))
         inv_scale = gl.where(nonzero, gl.div_rn(QMAX, gl.where(nonzero, amax * prescale, 1.0)), 0.0)
         _cta_barrier()   # keeps the compiler from merging the two reads of the slot into one held row
-        z = _smoothed(slot, smooth, layout, QUANT)
+        z = slot.load(layout).to(gl.float32) * smooth
         if prescale == 1.0:
             v = z * inv_scale
         else:
@@ -351,10 +343,11 @@ if HAVE_GLUON:
             v = gl.where(v == v, v, 0.0)
         q_dtype: gl.constexpr = q_ptr.dtype.element_ty
         if q_dtype == gl.int8:
-            q = (v + 12582912.0).to(gl.int32, bitcast=True).to(gl.int8)   # 1.5 * 2^23: see _kernels._quantize
+            q = (v + ROUND_HALF_EVEN).to(gl.int32, bitcast=True).to(gl.int8)   # see _kernels._quantize
         else:
             q = gl.minimum(gl.maximum(v, -QMAX), QMAX).to(q_dtype)
-        gl.store(q_ptr + row.to(gl.int64) * N + cols, q, mask=mask_n, cache_modifier=".cs" if STREAM else "")
+        # k rows written per row of x read: stream them past L2, which holds the expert rows
+        gl.store(q_ptr + row.to(gl.int64) * N + cols, q, mask=mask_n, cache_modifier=".cs")
         gl.store(scale_ptr + row, scale)
 
     @gluon.jit
@@ -378,14 +371,13 @@ if HAVE_GLUON:
         return valid, smooth
 
     @gluon.jit
-    def _quant_rows_smem(x_ptr, smooth_ptr, topk_ptr, q_ptr, scale_ptr, T, N, num_experts, stride_xm, stride_sm,
-                         stride_tk_t, stride_tk_j, QUANT: gl.constexpr, QMAX: gl.constexpr, TOPK: gl.constexpr,
-                         BLOCK_N: gl.constexpr, VEC: gl.constexpr, STAGES: gl.constexpr, EVEN_N: gl.constexpr):
-        """q and row_scale of dynamic / smooth / MoE smooth quantisation (``QUANT`` as ``_kernels``; ``TOPK`` k
-        of a MoE quantisation, else 0) in a persistent loop over tokens (rows of x): x streams through a
-        ring of ``STAGES`` shared-memory rows filled by cp.async ``STAGES - 1`` tokens ahead, so every program
-        keeps that many rows of loads in flight without holding them in registers. smooth_quant's scales
-        are loaded once per program; MoE loads each output row's expert row one row ahead."""
+    def _moe_rows_smem(x_ptr, smooth_ptr, topk_ptr, q_ptr, scale_ptr, T, N, num_experts, stride_xm, stride_sm,
+                       stride_tk_t, stride_tk_j, QMAX: gl.constexpr, TOPK: gl.constexpr, BLOCK_N: gl.constexpr,
+                       VEC: gl.constexpr, STAGES: gl.constexpr, EVEN_N: gl.constexpr):
+        """q and row_scale of moe_smooth_quant (``TOPK``: k; row ``j * T + t`` is token t's j-th expert) in a
+        persistent loop over tokens (rows of x): x streams through a ring of ``STAGES`` shared-memory rows
+        filled by cp.async ``STAGES - 1`` tokens ahead, so every program keeps that many rows of loads in flight
+        without holding them in registers; each output row's expert row is loaded one row ahead."""
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
         ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         pid = gl.program_id(0)
@@ -398,15 +390,11 @@ if HAVE_GLUON:
         ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_N], ring_layout)
         for s in gl.static_range(STAGES - 1):
             _stage_x(ring.index(s), x_ptr, pid + s * step, T, cols, mask_n, stride_xm)
-        KP: gl.constexpr = triton.next_power_of_2(TOPK) if TOPK > 0 else 1
-        if TOPK > 0:   # expert ids a token and two tokens ahead, and the first row's expert row
-            ids = _token_ids(topk_ptr, pid, T, stride_tk_t, stride_tk_j, TOPK, KP)
-            ids_next = _token_ids(topk_ptr, pid + step, T, stride_tk_t, stride_tk_j, TOPK, KP)
-            smooth_valid, smooth = _expert_row(smooth_ptr, ids, 0, num_experts, stride_sm, cols, mask_n, KP)
-        elif QUANT == QUANT_SMOOTH:
-            smooth = gl.load(smooth_ptr + cols, mask=mask_n, other=0.0).to(gl.float32)
-        else:
-            smooth = None
+        KP: gl.constexpr = triton.next_power_of_2(TOPK)
+        # expert ids a token and two tokens ahead, and the first row's expert row
+        ids = _token_ids(topk_ptr, pid, T, stride_tk_t, stride_tk_j, TOPK, KP)
+        ids_next = _token_ids(topk_ptr, pid + step, T, stride_tk_t, stride_tk_j, TOPK, KP)
+        smooth_valid, smooth = _expert_row(smooth_ptr, ids, 0, num_experts, stride_sm, cols, mask_n, KP)
         slot = 0
         for token in range(pid, T, step):
             # the slot read last iteration (each thread copies and reads back only its own elements: no barrier)
@@ -414,24 +402,20 @@ if HAVE_GLUON:
                      stride_xm)
             async_copy.wait_group(STAGES - 1)
             x_slot = ring.index(slot)
-            if TOPK == 0:
-                _quant_row(x_slot, smooth, token, True, q_ptr, scale_ptr, N, cols, mask_n, layout, QUANT, QMAX, False)
-            else:
-                # the ids are loaded two tokens ahead, so the expert rows never wait for them
-                ids_after = _token_ids(topk_ptr, token + 2 * step, T, stride_tk_t, stride_tk_j, TOPK, KP)
-                for j in gl.static_range(TOPK):
-                    valid = smooth_valid
-                    row_smooth = smooth
-                    # the next row's expert row: this token's next choice, or the next token's first
-                    if j + 1 < TOPK:
-                        smooth_valid, smooth = _expert_row(smooth_ptr, ids, j + 1, num_experts, stride_sm, cols,
-                                                           mask_n, KP)
-                    else:
-                        smooth_valid, smooth = _expert_row(smooth_ptr, ids_next, 0, num_experts, stride_sm, cols,
-                                                           mask_n, KP)
-                    _quant_row(x_slot, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, layout,
-                               QUANT, QMAX, True)
-                ids = ids_next
-                ids_next = ids_after
+            # the ids are loaded two tokens ahead, so the expert rows never wait for them
+            ids_after = _token_ids(topk_ptr, token + 2 * step, T, stride_tk_t, stride_tk_j, TOPK, KP)
+            for j in gl.static_range(TOPK):
+                valid = smooth_valid
+                row_smooth = smooth
+                # the next row's expert row: this token's next choice, or the next token's first
+                if j + 1 < TOPK:
+                    smooth_valid, smooth = _expert_row(smooth_ptr, ids, j + 1, num_experts, stride_sm, cols, mask_n,
+                                                       KP)
+                else:
+                    smooth_valid, smooth = _expert_row(smooth_ptr, ids_next, 0, num_experts, stride_sm, cols, mask_n,
+                                                       KP)
+                _quant_row(x_slot, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, layout, QMAX)
+            ids = ids_next
+            ids_next = ids_after
             slot = (slot + 1) % STAGES
         async_copy.wait_group(0)   # the last copies (of no token: masked) land before the program exits

@@ -63,6 +63,11 @@ QUANT_SMOOTH = tl.constexpr(2)
 QUANTS = {None: QUANT_NONE.value, "dynamic": QUANT_DYNAMIC.value, "smooth": QUANT_SMOOTH.value}
 
 ROUND_HALF_EVEN = tl.constexpr(12582912.0)   # 1.5 * 2^23
+# _row_scales (and the Gluon MoE loop's copy of it, norm/_gluon.py): rows with max|z| below TINY_AMAX are
+# scaled by PRESCALE first; FP32_MAX tells finite from inf
+TINY_AMAX = tl.constexpr(7.888609052210118e-31)   # 2^-100
+PRESCALE = tl.constexpr(1.2676506002282294e30)    # 2^100
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -277,9 +282,8 @@ def _row_scales(amax, valid, QMAX: tl.constexpr):
     # correctly rounded divisions (one per row): triton's `/` is approximate on the GPU (2 ulp), which
     # tipped near-ties of q away from the exact quantisation there
     scale = tl.where(valid, tl.math.div_rn(amax, qmax), float("nan"))
-    nonzero = valid & (amax > 0.0) & (amax <= 3.4028234663852886e38)
-    prescale = tl.where(amax < 7.888609052210118e-31, 1.2676506002282294e30,   # 2^-100, 2^100
-                        tl.where(amax <= 3.4028234663852886e38, 1.0, 0.0))
+    nonzero = valid & (amax > 0.0) & (amax <= FP32_MAX)
+    prescale = tl.where(amax < TINY_AMAX, PRESCALE, tl.where(amax <= FP32_MAX, 1.0, 0.0))
     inv_scale = tl.where(nonzero, tl.math.div_rn(qmax, tl.where(nonzero, amax * prescale, 1.0)), 0.0)
     return scale, inv_scale, prescale
 
@@ -773,7 +777,7 @@ SMEM_BACKWARD_CONFIGS = {
 
 @dataclasses.dataclass(frozen=True)
 class SmemQuantConfig:
-    """The Gluon quantising forward (``_gluon._quant_rows_smem``): a persistent loop over rows of x that stream
+    """The Gluon MoE quantising forward (``_gluon._moe_rows_smem``): a persistent loop over rows of x that stream
     through a ring of ``stages`` shared-memory rows filled by cp.async."""
 
     num_warps: int
@@ -783,7 +787,7 @@ class SmemQuantConfig:
     max_topk: int | None = None
 
 
-# (kind, power-of-two width) -> SmemQuantConfig: where the Gluon quantising forward replaces the Triton one on a
+# (kind, power-of-two width) -> SmemQuantConfig: where the Gluon MoE forward replaces the Triton one on a
 # GPU (when its ring fits in shared memory and x's rows suit cp.async). H100 sweep (bf16 x, int8, 256 MiB of x,
 # 3 interleaved rounds of do_bench medians, fractions of a copy timed in the same process, benchmarks/NOTES.md):
 # - moe_smooth_quant, E 8, k 2: 4096 columns 0.90 (4 warps, 4 programs per SM, 2 or 3 ring slots; the Triton
@@ -791,8 +795,9 @@ class SmemQuantConfig:
 #   0.86 against 0.80 / 0.82. But with k 8 (E 64) 0.50 / 0.52 against the Triton kernel's 0.58 / 0.60, so
 #   only k <= 2 takes it. At 16384 and 32768 the expert rows held one row ahead take too many registers
 #   (0.68-0.69 and 0.24 with spills, against 0.73).
-# - dynamic / smooth quantisation: slower than the Triton kernel at every width (smooth_quant 0.85 against
-#   0.90 at 32768, 0.93-0.95 against 0.96-0.98 at 4096-16384), so no entries.
+# - dynamic / smooth quantisation through the same loop (the smooth row loaded once per program) measured
+#   slower than the Triton kernel at every width (smooth_quant 0.85 against 0.90 at 32768, 0.93-0.95 against
+#   0.96-0.98 at 4096-16384), so the loop does MoE only.
 SMEM_QUANT_CONFIGS = {("moe", 4096): SmemQuantConfig(4, stages=2, programs_per_sm=4, max_topk=2),
                       ("moe", 8192): SmemQuantConfig(8, stages=2, programs_per_sm=2, max_topk=2)}
 
@@ -802,9 +807,9 @@ config_override: dict = {}
 
 
 def smem_quant_config(N: int, kind: str | None, topk: int = 0) -> SmemQuantConfig | None:
-    """The Gluon forward's config for tk.dynamic_quant / smooth_quant / moe_smooth_quant (``kind``) rows of N
-    (``topk``: MoE's k), or None for the Triton forward."""
-    if kind is None:
+    """The Gluon forward's config for tk.moe_smooth_quant (``kind`` "moe"; MoE's k ``topk``) rows of N, or None
+    for the Triton forward (every other kind)."""
+    if kind != "moe":
         return None
     if "smem_quant" in config_override:
         return config_override["smem_quant"]

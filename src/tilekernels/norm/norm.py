@@ -148,9 +148,8 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
             T = x.shape[0]   # tokens: the loop's rows of x (MoE writes k rows for each)
             programs = max(1, min(T, smem.programs_per_sm * sm_count(device)))
             programs = cdiv(T, cdiv(T, programs))   # as few as take the same rounds (kern.forward_grid)
-            plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(_gluon._quant_rows_smem, programs, dict(
-                QUANT=kern.QUANTS[quant], QMAX=QUANT_MAX[quant_dtype],
-                TOPK=topk, BLOCK_N=block_n, VEC=16 // x.element_size(),
+            plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(_gluon._moe_rows_smem, programs, dict(
+                QMAX=QUANT_MAX[quant_dtype], TOPK=topk, BLOCK_N=block_n, VEC=16 // x.element_size(),
                 STAGES=smem.stages, EVEN_N=N == block_n), num_warps=smem.num_warps))
     if plan is None:
         config = kern.forward_config(N, device, kind)
@@ -164,10 +163,9 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(kern._row_forward, kern.forward_grid(M, N, config, device),
                                                            constexprs, num_warps=config.num_warps))
     moe = topk_ids is not None
-    if plan.kernel is not kern._row_forward:   # the Gluon quantising forward
-        plan((x, smooth_scale, topk_ids, q, scale, x.shape[0], N, smooth_scale.shape[0] if moe else 1, x.stride(0),
-              smooth_scale.stride(0) if moe else 0, topk_ids.stride(0) if moe else 0,
-              topk_ids.stride(1) if moe else 0), device)
+    if plan.kernel is not kern._row_forward:   # the Gluon MoE forward
+        plan((x, smooth_scale, topk_ids, q, scale, x.shape[0], N, smooth_scale.shape[0], x.stride(0),
+              smooth_scale.stride(0), topk_ids.stride(0), topk_ids.stride(1)), device)
         return y, q, scale, s, mean, rstd
     plan((x, residual, x_bias, weight, bias, smooth_scale, topk_ids, y, q, scale, s, mean, rstd,
           M, N, x.shape[0], smooth_scale.shape[0] if moe else 1, x.stride(0), x.stride(1),

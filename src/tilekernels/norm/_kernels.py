@@ -870,8 +870,14 @@ def forward_grid(M: int, N: int, config: RowConfig, device) -> int:
     tiles_m = triton.cdiv(M, config.block_m)
     if N <= config.block_n and not config.persistent:
         return tiles_m
-    programs = max(1, min(tiles_m, config.programs_per_sm * sm_count(device)))
-    return triton.cdiv(tiles_m, triton.cdiv(tiles_m, programs))
+    return balanced_grid(tiles_m, config.programs_per_sm * sm_count(device))
+
+
+def balanced_grid(tiles: int, cap: int) -> int:
+    """The fewest programs of a persistent loop over ``tiles`` that take as many rounds as ``min(tiles, cap)``
+    programs would (``forward_grid``; the Gluon MoE forward's tokens)."""
+    programs = max(1, min(tiles, cap))
+    return triton.cdiv(tiles, triton.cdiv(tiles, programs))
 
 
 def backward_config(N: int, norm: str, device) -> RowConfig:

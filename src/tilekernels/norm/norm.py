@@ -145,9 +145,8 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         smem = kern.smem_quant_config(N, kind, topk) if quantise and not (store_y or store_stats) else None
         block_n = triton.next_power_of_2(N)
         if _gluon.smem_quant_applies(x, smem, block_n):
-            T = x.shape[0]   # tokens: the loop's rows of x (MoE writes k rows for each)
-            programs = max(1, min(T, smem.programs_per_sm * sm_count(device)))
-            programs = cdiv(T, cdiv(T, programs))   # as few as take the same rounds (kern.forward_grid)
+            # a loop over tokens, the rows of x (MoE writes k rows for each)
+            programs = kern.balanced_grid(x.shape[0], smem.programs_per_sm * sm_count(device))
             plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(_gluon._moe_rows_smem, programs, dict(
                 QMAX=QUANT_MAX[quant_dtype], TOPK=topk, BLOCK_N=block_n, VEC=16 // x.element_size(),
                 STAGES=smem.stages, EVEN_N=N == block_n), num_warps=smem.num_warps))

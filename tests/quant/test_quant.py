@@ -110,6 +110,59 @@ def test_smooth_quant(dtype, quant_dtype, M, N, layout, smooth_dtype, device, po
     assert_quant_close(f"smooth-{layout}", q, row_scale, z, x.float() * smooth_scale.float(), quant_dtype)
 
 
+def _forced_config_run(op, x, smooth_scale, quant_dtype, config):
+    """(q, row_scale, the kernels planned) of dynamic_quant (``smooth_scale`` None) or smooth_quant with the forward
+    config forced to ``config``."""
+    from tilekernels.norm import _kernels as kern
+    from tilekernels.norm import norm as norm_module
+
+    saved = kern.config_override.copy()
+    kern.config_override.clear()
+    kern.config_override["forward"] = config
+    norm_module._FORWARD_PLANS.clear()
+    try:
+        out = op(x, quant_dtype) if smooth_scale is None else op(x, smooth_scale, quant_dtype)
+        kernels = {plan.kernel for plan in norm_module._FORWARD_PLANS.values()}
+    finally:
+        kern.config_override.clear()
+        kern.config_override.update(saved)
+        norm_module._FORWARD_PLANS.clear()
+    return (*out, kernels)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "smooth"])
+@pytest.mark.parametrize("dtype, quant_dtype, M, N, layout",
+                         grid([(37, 1000, "2d"), (9, 1024, "padded"), (5, 64, "step"), (1, 7, "2d")],
+                              dtypes=[torch.bfloat16, torch.float32]))
+def test_lean_quant_rows(kind, dtype, quant_dtype, M, N, layout, device, poison_allocations):
+    """``_quant_rows``, the persistent one-row loop the table gives smooth_quant at 32768 columns on a GPU, forced
+    here by a config: bit for bit the generic row kernel's q and row_scale (one program per row), and within the
+    quantisation rule of the fp64 reference; zero, tiny and NaN rows included, more rows than programs."""
+    from tilekernels.norm import _kernels as kern
+
+    x = rows(M, N, dtype, device, layout, scale=3.0)
+    if M > 3:
+        x[1] = 0.0
+        x[2] = x[2] * 2.0**-104     # max|z| below 2^-100: the prescaled path (no fp32 subnormals)
+        x[3, N // 2] = float("nan")
+    smooth_scale = smooth(N, torch.float32, device) if kind == "smooth" else None
+    op = tk.smooth_quant if kind == "smooth" else tk.dynamic_quant
+    block_n = max(16, 1 << (N - 1).bit_length())
+    lean = kern.RowConfig(1, block_n, 4, programs_per_sm=1, prefetch=False, persistent=True)
+    q, row_scale, kernels = _forced_config_run(op, x, smooth_scale, quant_dtype, lean)
+    assert kernels == {kern._quant_rows}
+    q_ref, scale_ref, kernels = _forced_config_run(op, x, smooth_scale, quant_dtype, kern.RowConfig(1, block_n, 4))
+    assert kernels == {kern._row_forward}
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(row_scale.isnan(), scale_ref.isnan())
+    assert torch.equal(row_scale.nan_to_num(0.0), scale_ref.nan_to_num(0.0))
+    z = x.to(device="cpu", dtype=torch.float64)
+    if smooth_scale is not None:
+        z = z * smooth_scale.to(device="cpu", dtype=torch.float64)
+    assert_quant_close(f"lean-{kind}-{layout}", q, row_scale, z,
+                       x.float() * (1.0 if smooth_scale is None else smooth_scale), quant_dtype)
+
+
 ROUNDING_ROWS = {
     # amax is QMAX in each row, so q = z exactly in fp32 and only the final rounding decides
     torch.int8: [[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 3.5, -127.0, 0.49, 63.5]],
@@ -404,6 +457,31 @@ def test_gpu_dynamic_and_smooth_quant(dtype, quant_dtype, M, N, layout, device, 
     smooth_scale = smooth(N, torch.float32, device)
     q, row_scale = tk.smooth_quant(x, smooth_scale, quant_dtype)
     assert_quant_close(f"smooth-{layout}", q, row_scale, x.double() * smooth_scale.double(),
+                       x.float() * smooth_scale, quant_dtype)
+
+
+@gpu
+@pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_lean_quant_rows(dtype, quant_dtype, device, poison_allocations):
+    """smooth_quant at 32768 columns takes ``_quant_rows`` from the table: bit for bit the generic row kernel's
+    output (one program per row, forced), zero, tiny and NaN rows included."""
+    from tilekernels.norm import _kernels as kern
+
+    x = rows(300, 32768, dtype, device, "padded", scale=3.0)
+    x[1] = 0.0
+    x[2] = x[2] * 2.0**-104
+    x[3, 777] = float("nan")
+    smooth_scale = smooth(32768, torch.float32, device)
+    q, row_scale, kernels = _forced_config_run(tk.smooth_quant, x, smooth_scale, quant_dtype,
+                                               kern.forward_config(32768, x.device, "smooth"))
+    assert kernels == {kern._quant_rows}
+    q_ref, scale_ref, kernels = _forced_config_run(tk.smooth_quant, x, smooth_scale, quant_dtype,
+                                                   kern.RowConfig(1, 32768, 16))
+    assert kernels == {kern._row_forward}
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(row_scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0))
+    assert_quant_close("lean-smooth-32768", q, row_scale, x.double() * smooth_scale.double(),
                        x.float() * smooth_scale, quant_dtype)
 
 

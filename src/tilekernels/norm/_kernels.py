@@ -9,7 +9,9 @@ Forward, per row of ``N`` values (``_row_forward``)::
     quant: z = y (* smooth_scale[expert]); row_scale = max|z| / QMAX; q = round(z * QMAX / max|z|)
 
 Every op of ``tk.norm`` and ``tk.quant`` is this kernel with other constexpr switches, so the
-residual add, the statistics, the affine step and the quantisation are written once.
+residual add, the statistics, the affine step and the quantisation are written once. (Two exceptions run
+the same helpers in a loop of their own, where that measured faster on a GPU: ``_quant_rows`` for
+smooth_quant at 32768 columns, ``lean_quant``, and the Gluon MoE forward of ``_gluon``.)
 
 A row that fits one tile (``N <= BLOCK_N``) is read from memory once and kept in registers, one row
 tile per program -- or, for some widths of the quantisation ops, in a persistent loop over row tiles
@@ -518,6 +520,34 @@ def _row_forward(x_ptr, res_ptr, xbias_ptr, w_ptr, b_ptr, smooth_ptr, topk_ptr,
                           HAS_XBIAS, HAS_RESIDUAL, QUANT, QMAX, TOPK, STORE_Y, STORE_STATS, BLOCK_M, BLOCK_N)
 
 
+@triton.jit
+def _quant_rows(x_ptr, smooth_ptr, q_ptr, scale_ptr, M, N, stride_xm, stride_xn, HAS_SMOOTH: tl.constexpr,
+                QMAX: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """tk.dynamic_quant / tk.smooth_quant of whole rows, one row per step of a persistent loop that loads
+    the smooth scales once per program: ``_row_forward``'s persistent one-pass path for one-row tiles with
+    no norm, residual or prefetch, the same operations in the same order (bit-identical q and row_scale),
+    but nothing else in the loop. ``LEAN_QUANT`` says where it runs: smooth_quant at 32768 columns, where
+    the generic kernel's loop measured 0.90 of copy bandwidth and this one 0.91-0.92 (H100, 16 warps, one
+    program per SM, ptxas giving both 128 registers and the same spills; benchmarks/NOTES.md)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask_n = _column_mask(cols, N, EVEN_N)
+    if HAS_SMOOTH:
+        smooth = _vector(smooth_ptr, cols, mask_n, True)
+    row0 = tl.zeros([1], tl.int64)
+    for row in range(pid, M, tl.num_programs(0)):
+        rows = row0 + row
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask_n[None, :], other=0.0)
+        z = x.to(tl.float32)
+        if HAS_SMOOTH:
+            z = z * smooth[None, :]
+        amax = _abs_max(z, mask_n[None, :])
+        scale, inv_scale, prescale = _row_scales(amax, rows >= 0, QMAX)
+        tl.store(q_ptr + rows[:, None] * N + cols[None, :],
+                 _quantize(z, inv_scale, prescale, q_ptr.dtype.element_ty, QMAX), mask=mask_n[None, :])
+        tl.store(scale_ptr + rows, scale)
+
+
 # ----------------------------------------------------------------------------------------------------
 # backward
 
@@ -727,6 +757,15 @@ TUNED_FORWARD = {
     "dynamic": {32768: (None, 2, True)},
     "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (16, 1, True)},
 }
+
+
+def lean_quant(config: RowConfig, kind: str | None, N: int) -> bool:
+    """Whether tk.dynamic_quant / tk.smooth_quant (``kind``) rows of N under ``config`` run ``_quant_rows``
+    instead of ``_row_forward``: whole one-row tiles in a persistent loop without prefetch, which the table
+    gives smooth_quant at 32768 columns. There ``_quant_rows`` measured 0.91-0.92 of copy bandwidth against
+    0.90 for ``_row_forward`` with the same config (H100, bf16, int8 and e4m3, 2026-11-24)."""
+    return (kind in ("smooth", "dynamic") and N <= config.block_n and config.block_m == 1 and config.persistent
+            and not config.prefetch)
 
 # Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and
 # a block of dw (and db for layer norm) per thread across the row loop, so past 8192 columns the row

@@ -152,6 +152,12 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
                 STAGES=smem.stages, EVEN_N=N == block_n), num_warps=smem.num_warps))
     if plan is None:
         config = kern.forward_config(N, device, kind)
+        if quantise and not (store_y or store_stats) and kern.lean_quant(config, kind, N):
+            constexprs = dict(HAS_SMOOTH=quant == "smooth", QMAX=QUANT_MAX[quant_dtype],
+                              EVEN_N=N % config.block_n == 0, BLOCK_N=config.block_n)
+            plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(
+                kern._quant_rows, kern.forward_grid(M, N, config, device), constexprs, num_warps=config.num_warps))
+    if plan is None:
         constexprs = dict(
             NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_B=bias is not None, HAS_XBIAS=x_bias is not None,
             HAS_RESIDUAL=residual is not None, QUANT=kern.QUANTS[None if quant == "none" else quant],
@@ -162,6 +168,9 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(kern._row_forward, kern.forward_grid(M, N, config, device),
                                                            constexprs, num_warps=config.num_warps))
     moe = topk_ids is not None
+    if plan.kernel is kern._quant_rows:
+        plan((x, smooth_scale, q, scale, M, N, x.stride(0), x.stride(1)), device)
+        return y, q, scale, s, mean, rstd
     if plan.kernel is not kern._row_forward:   # the Gluon MoE forward
         plan((x, smooth_scale, topk_ids, q, scale, x.shape[0], N, smooth_scale.shape[0], x.stride(0),
               smooth_scale.stride(0), topk_ids.stride(0), topk_ids.stride(1)), device)

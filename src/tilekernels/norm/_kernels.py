@@ -526,7 +526,7 @@ def _quant_rows(x_ptr, smooth_ptr, q_ptr, scale_ptr, M, N, stride_xm, stride_xn,
     """tk.dynamic_quant / tk.smooth_quant of whole rows, one row per step of a persistent loop that loads
     the smooth scales once per program: ``_row_forward``'s persistent one-pass path for one-row tiles with
     no norm, residual or prefetch, the same operations in the same order (bit-identical q and row_scale),
-    but nothing else in the loop. ``LEAN_QUANT`` says where it runs: smooth_quant at 32768 columns, where
+    but nothing else in the loop. ``lean_quant`` says where it runs: smooth_quant at 32768 columns, where
     the generic kernel's loop measured 0.90 of copy bandwidth and this one 0.91-0.92 (H100, 16 warps, one
     program per SM, ptxas giving both 128 registers and the same spills; benchmarks/NOTES.md)."""
     pid = tl.program_id(0)
@@ -766,6 +766,7 @@ def lean_quant(config: RowConfig, kind: str | None, N: int) -> bool:
     0.90 for ``_row_forward`` with the same config (H100, bf16, int8 and e4m3, 2026-11-24)."""
     return (kind in ("smooth", "dynamic") and N <= config.block_n and config.block_m == 1 and config.persistent
             and not config.prefetch)
+
 
 # Backward: (widest N, norm or None for both) -> RowConfig, first match wins. A block holds x, dy and
 # a block of dw (and db for layer norm) per thread across the row loop, so past 8192 columns the row

@@ -815,6 +815,7 @@ SMEM_BACKWARD_CONFIGS = {
     (65536, "rms"): SmemBackwardConfig(16, vec=8, split=4),
 }
 
+
 @dataclasses.dataclass(frozen=True)
 class SmemQuantConfig:
     """The Gluon MoE quantising forward (``_gluon._moe_rows_smem``): a persistent loop over rows of x that stream

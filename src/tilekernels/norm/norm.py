@@ -138,11 +138,12 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
            quant_dtype, store_y, store_stats, kern.config_override.get("forward"),
            kern.config_override.get("smem_quant", 0))
     plan = _FORWARD_PLANS.get(key)
+    quant_only = quantise and not (store_y or store_stats)   # q and row_scale are all the call returns
     if plan is None:
         standalone = norm == "none" and residual is None and x_bias is None
         kind = ("moe" if topk_ids is not None else quant) if standalone else None
         topk = topk_ids.shape[1] if topk_ids is not None else 0
-        smem = kern.smem_quant_config(N, kind, topk) if quantise and not (store_y or store_stats) else None
+        smem = kern.smem_quant_config(N, kind, topk) if quant_only else None
         block_n = triton.next_power_of_2(N)
         if _gluon.smem_quant_applies(x, smem, block_n):
             # a loop over tokens, the rows of x (MoE writes k rows for each)
@@ -152,7 +153,7 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
                 STAGES=smem.stages, EVEN_N=N == block_n), num_warps=smem.num_warps))
     if plan is None:
         config = kern.forward_config(N, device, kind)
-        if quantise and not (store_y or store_stats) and kern.lean_quant(config, kind, N):
+        if quant_only and kern.lean_quant(config, kind, N):
             constexprs = dict(HAS_SMOOTH=quant == "smooth", QMAX=QUANT_MAX[quant_dtype],
                               EVEN_N=N % config.block_n == 0, BLOCK_N=config.block_n)
             plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(

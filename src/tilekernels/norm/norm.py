@@ -138,8 +138,8 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
            quant_dtype, store_y, store_stats, kern.config_override.get("forward"),
            kern.config_override.get("smem_quant", 0))
     plan = _FORWARD_PLANS.get(key)
-    quant_only = quantise and not (store_y or store_stats)   # q and row_scale are all the call returns
     if plan is None:
+        quant_only = quantise and not (store_y or store_stats)   # q and row_scale are all the call returns
         standalone = norm == "none" and residual is None and x_bias is None
         kind = ("moe" if topk_ids is not None else quant) if standalone else None
         topk = topk_ids.shape[1] if topk_ids is not None else 0
@@ -162,7 +162,7 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         constexprs = dict(
             NORM=kern.NORMS[norm], HAS_W=weight is not None, HAS_B=bias is not None, HAS_XBIAS=x_bias is not None,
             HAS_RESIDUAL=residual is not None, QUANT=kern.QUANTS[None if quant == "none" else quant],
-            QMAX=QUANT_MAX.get(quant_dtype, 1.0), TOPK=topk_ids.shape[1] if topk_ids is not None else 0,
+            QMAX=QUANT_MAX.get(quant_dtype, 1.0), TOPK=topk,
             STORE_Y=store_y, STORE_STATS=store_stats, ONE_PASS=N <= config.block_n, PERSISTENT=config.persistent,
             PREFETCH=config.persistent and config.prefetch,
             EVEN_N=N % config.block_n == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n)

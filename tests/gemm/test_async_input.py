@@ -190,6 +190,11 @@ def _bad_cases():
                      id="mm-pivot"),
         pytest.param(lambda a, b, d: tk.async_input_mm(a, b, [1, 1, 1]), TypeError, "chunk_signals",
                      id="signals-list"),
+        # no rows: nothing waits, but the signals are still checked
+        pytest.param(lambda a, b, d: tk.async_input_mm(a[:0], b, sig(dtype=torch.float32, device=d)), TypeError,
+                     "chunk_signals", id="m0-float-signals"),
+        pytest.param(lambda a, b, d: tk.async_input_mm(a[:0], b, sig(device=d), 3), ValueError, "pivot_chunk",
+                     id="m0-pivot"),
     ]
 
 

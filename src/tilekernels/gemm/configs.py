@@ -47,6 +47,17 @@ class GemmConfig:
     epilogue_slices: int = 0
 
     def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"GemmConfig: {name} must be a power-of-two int, got {v!r}")
+        for name in ("group_m", "num_stages", "programs_per_sm"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GemmConfig: {name} must be an int >= 1, got {v!r}")
+        for name in ("use_tma", "warp_specialize", "flatten", "tma_epilogue"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GemmConfig: {name} must be a bool, got {getattr(self, name)!r}")
         if self.epilogue_slices not in (0, 1, 2, 4):
             raise ValueError(f"GemmConfig: epilogue_slices must be 0 (pick), 1, 2 or 4, got {self.epilogue_slices!r}")
         if self.epilogue_slices and self.block_n % self.epilogue_slices:

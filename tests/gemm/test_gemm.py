@@ -382,7 +382,7 @@ def test_bad_epilogue_slices(slices):
     with pytest.raises(ValueError, match="epilogue_slices"):
         GemmConfig(16, 32, 16, epilogue_slices=slices)
     with pytest.raises(ValueError, match="epilogue_slices"):
-        GemmConfig(16, 6, 16, epilogue_slices=4)
+        GemmConfig(16, 2, 16, epilogue_slices=4)
 
 
 def test_cached_plan_keeps_no_tensor_alive(device):
@@ -615,7 +615,7 @@ def test_torch_compile_out_and_autograd(device):
     bias = random_tensor((N,), torch.float32, device)
 
     def step(a, b, bias, out):
-        tk.gemm(a, b, bias=bias, out=out, alpha=0.5)
+        tk.gemm(a.detach(), b.detach(), bias=bias.detach(), out=out, alpha=0.5)   # out= takes no autograd
         y = tk.gemm(a, b, bias=bias)
         return y.square().sum(), out * 2
 
@@ -692,6 +692,60 @@ def test_bad_input(build, match, device):
     a, b, kwargs = build(t)
     with pytest.raises((ValueError, TypeError), match=match):
         tk.gemm(a, b, **kwargs)
+
+
+def test_out_sharing_memory_with_inputs(device):
+    """out= that overlaps an input (or itself) is refused, naming what it overlaps: the kernel reads the
+    inputs after other tiles have written C. out=residual (the same elements) and out a column block of a
+    buffer whose other columns hold a (a fused QKV buffer) are allowed and exact."""
+    M, N, K = 40, 40, 40
+    a = random_tensor((M, K), torch.float32, device)
+    b = random_tensor((K, N), torch.float32, device)
+    for name, out in (("a", a), ("b", b), ("a", a.t()), ("b", b.t())):
+        with pytest.raises(ValueError, match=rf"out overlaps {name}\b"):
+            tk.gemm(a, b, out=out)
+    shared = torch.empty(M * N + N, device=device)
+    bias = shared[-N:].normal_()
+    with pytest.raises(ValueError, match=r"out overlaps bias\b"):
+        tk.gemm(a, b, bias=bias, out=shared[N:].view(M, N))
+    self_overlap = torch.empty(M * N, device=device).as_strided((M, N), (1, 1))
+    with pytest.raises(ValueError, match=r"\bout\b.*overlapping"):
+        tk.gemm(a, b, out=self_overlap)
+    # allowed: out is the residual itself; out and a are disjoint column blocks of one buffer
+    residual = random_tensor((M, N), torch.float32, device)
+    original = residual.clone()
+    tk.gemm(a, b, residual=residual, out=residual)
+    check("out=residual", residual, a, b, residual=original)
+    buffer = random_tensor((M, K + N), torch.float32, device)
+    a_view, out_view = buffer[:, :K], buffer[:, K:]
+    a_before = a_view.clone()
+    tk.gemm(a_view, b, out=out_view)
+    assert torch.equal(a_view, a_before)
+    check("out beside a", out_view, a_before, b)
+
+
+def test_out_refuses_autograd(device):
+    a = random_tensor((8, 8), torch.float32, device).requires_grad_()
+    b = random_tensor((8, 8), torch.float32, device)
+    with pytest.raises(ValueError, match=r"out= does not support autograd"):
+        tk.gemm(a, b, out=torch.empty(8, 8, device=device))
+    with torch.no_grad():
+        out = tk.gemm(a, b, out=torch.empty(8, 8, device=device))
+    check("no_grad out=", out, a.detach(), b)
+
+
+def test_alpha_too_large(device):
+    a, b = random_tensor((4, 4), torch.float32, device), random_tensor((4, 4), torch.float32, device)
+    with pytest.raises(ValueError, match=r"\balpha\b"):
+        tk.gemm(a, b, alpha=10 ** 400)
+
+
+@pytest.mark.parametrize("field, value", [("block_m", 7), ("block_m", 0), ("block_k", "16"), ("num_warps", 3),
+                                          ("group_m", 0), ("num_stages", 0), ("programs_per_sm", 0),
+                                          ("use_tma", 1), ("block_n", True)])
+def test_bad_gemm_config(field, value):
+    with pytest.raises((ValueError, TypeError), match=rf"GemmConfig: {field}\b"):
+        GemmConfig(**{field: value})
 
 
 # ====================================================================================================

@@ -64,6 +64,62 @@ def _check_scale(name: str, s, length: int, dim_name: str, device: torch.device)
                          f"got shape {tuple(s.shape)}")
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of memory that ``t``'s elements (non-negative strides) can touch."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _row_bytes(t: torch.Tensor):
+    """For a 2-D ``t`` whose elements are contiguous along one dimension: (the other dimension's stride in
+    bytes, the byte offset of its first element within that period, the bytes it takes per period), else
+    None."""
+    if t.dim() != 2:
+        return None
+    es = t.element_size()
+    for inner, outer in ((1, 0), (0, 1)):
+        if t.stride(inner) == 1 or t.shape[inner] == 1:
+            period = t.stride(outer) * es
+            if period and t.shape[inner] * es <= period:
+                return period, t.data_ptr() % period, t.shape[inner] * es
+    return None
+
+
+def _may_overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` may share memory: their byte spans meet, unless both are column (or row) blocks
+    of one buffer with the same row stride whose column ranges are apart (a slice of a fused QKV buffer)."""
+    if x.numel() == 0 or y.numel() == 0 or x.device != y.device:
+        return False
+    (x0, x1), (y0, y1) = _byte_span(x), _byte_span(y)
+    if x1 <= y0 or y1 <= x0:
+        return False
+    rx, ry = _row_bytes(x), _row_bytes(y)
+    if rx is not None and ry is not None and rx[0] == ry[0]:
+        period, gap = rx[0], (ry[1] - rx[1]) % rx[0]   # where y's bytes start, counted from x's, in each period
+        return not (gap >= rx[2] and period - gap >= ry[2])
+    return True
+
+
+def _check_out_memory(out: torch.Tensor, a, b, bias, residual, mul, scale_a, scale_b) -> None:
+    """``out`` must not overlap itself or any input: the kernel reads inputs after other tiles have written
+    C. The one exception is ``out`` exactly ``residual`` (same elements), which each element reads before
+    it is written."""
+    inputs = {"a": a, "b": b, "bias": bias, "residual": residual, "scale_a": scale_a, "scale_b": scale_b,
+              **{f"mul[{i}]": m for i, m in enumerate(mul)}}
+    if out.dim() == 2 and min(out.shape) > 1:
+        (s_small, n_small), (s_large, _) = sorted(zip(out.stride(), out.shape))
+        if s_large < s_small * (n_small - 1) + 1:
+            raise ValueError(f"out must not have overlapping elements: strides {out.stride()} map two of its "
+                             f"{tuple(out.shape)} elements to one address")
+    if residual is not None and residual.data_ptr() == out.data_ptr() and residual.dtype == out.dtype and (
+            residual.shape == out.shape and residual.stride() == out.stride()):
+        inputs = {k: v for k, v in inputs.items() if k != "residual"}
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and _may_overlap(out, t):
+            raise ValueError(f"out overlaps {name} in memory; pass an out that shares no memory with the inputs "
+                             "(out=residual itself is allowed)")
+
+
 def _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, out_dtype, out,
                 split_k, config):
     for name, t in (("a", a), ("b", b)):
@@ -98,6 +154,10 @@ def _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, sca
     for name, v in (("alpha", alpha), ("beta", beta)):
         if not isinstance(v, numbers.Real) or isinstance(v, bool):
             raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+        try:
+            float(v)
+        except OverflowError:
+            raise ValueError(f"{name} is too large for a float: {v!r}") from None
     _check_scale("scale_a", scale_a, M, "M", a.device)
     _check_scale("scale_b", scale_b, N, "N", a.device)
     if out_dtype is not None:
@@ -121,6 +181,8 @@ def _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, sca
             raise TypeError(f"out: unsupported dtype {out.dtype} for {a.dtype} inputs")
         if any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape)):
             raise ValueError("out must not have overlapping elements (a stride of 0)")
+        if not torch.compiler.is_compiling():   # traced tensors have no addresses; the op checks when it runs
+            _check_out_memory(out, a, b, bias, residual, mul, scale_a, scale_b)
     final_dtype = out.dtype if out is not None else (out_dtype or _default_out_dtype(a.dtype))
     if final_dtype == torch.int32 and (bias is not None or residual is not None or mul or activation
                                        or alpha != 1.0 or scale_a is not None or scale_b is not None):
@@ -428,6 +490,7 @@ def _gemm_out_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
                  scale_a: Optional[torch.Tensor], scale_b: Optional[torch.Tensor], split_k: int,
                  chunk_signals: Optional[torch.Tensor], rows_per_chunk: int, pivot_chunk: int, signal_value: int,
                  max_spins: int, out: torch.Tensor) -> None:
+    _check_out_memory(out, a, b, bias, residual, mul, scale_a, scale_b)
     _launch(a, b, out, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
             _async_tuple(chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins))
 
@@ -514,7 +577,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
             are the per-row / per-column dequantisation scales for fp8/int8 inputs.
         out_dtype: fp16/bf16/fp32 (int32 for an exact int8 product with no epilogue). Default: the
             input dtype, bf16 for fp8/int8 inputs.
-        out: write the result here (any strides, shape ``[M, N]``) and return it.
+        out: write the result here (any strides, shape ``[M, N]``) and return it. It must not share memory
+            with the inputs (``ValueError``), except that ``out=residual`` updates the residual in place;
+            with an input that requires grad, out= raises (no autograd through it, as ``torch.mm``).
         split_k: split the K loop over this many programs (or "auto": only when the output tiles
             cannot fill the GPU and K is long); partial sums are added in a fixed order, so the
             result is bit-identical run to run.
@@ -547,6 +612,9 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
     split = _AUTO_SPLIT if split_k == "auto" else split_k
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, bias, residual, scale_a, scale_b, *mul))
+    if needs_grad and out is not None:
+        raise ValueError("out= does not support autograd, but an input requires grad: drop out= or call "
+                         "under torch.no_grad()")
     if needs_grad and (activation is not None or mul or scale_a is not None or scale_b is not None):
         raise NotImplementedError("tk.gemm autograd covers alpha * a @ b + bias + beta * residual; "
                                   "activation, mul and scales are forward-only")
@@ -597,10 +665,12 @@ def async_input_mm(a: torch.Tensor, b: torch.Tensor, chunk_signals: torch.Tensor
     if num_chunks < 1 or M % num_chunks:
         raise ValueError(f"async_input_mm: A's {M} rows must split into len(chunk_signals) = {num_chunks} "
                          "equal chunks")
-    if M == 0:
-        return gemm(a, b, out=out)
-    scheduler = AsyncInputScheduler(chunk_signals, M // num_chunks, pivot_chunk=chunk_pivot,
+    # built (and so checked) for M = 0 too, where no tile waits
+    scheduler = AsyncInputScheduler(chunk_signals, max(1, M // num_chunks), pivot_chunk=chunk_pivot,
                                     signal_value=signal_value, max_spins=max_spins)
+    if M == 0:
+        _check_async_input(scheduler, a)
+        return gemm(a, b, out=out)
     return gemm(a, b, out=out, async_input=scheduler)
 
 

@@ -115,6 +115,13 @@ def test_bad_inputs(one_rank_group):
         tkd.all_gather_matmul(a, [b], gather_dim=2)
     with pytest.raises(ValueError, match="a_shard"):
         tkd.all_gather_matmul(torch.randn(8), [b])
+    # dtype and device are checked at any world size (one rank used to fall back to torch.matmul unchecked)
+    with pytest.raises(TypeError, match="a_shard"):
+        tkd.all_gather_matmul(a.double(), [b.double()])
+    with pytest.raises(TypeError, match="a_shard"):
+        tkd.all_gather_matmul(a.to(torch.int32), [b.to(torch.int32)])
+    with pytest.raises(ValueError, match="a_shard"):
+        tkd.all_gather_matmul(a.to("meta"), [b.to("meta")])
     with pytest.raises(ValueError, match="group"):
         tkd.all_gather_matmul(a, [b], group="no-such-group")
     with pytest.raises(ValueError, match="CUDA"):

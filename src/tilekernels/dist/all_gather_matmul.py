@@ -58,6 +58,7 @@ from .._runtime import sm_count
 from ..gemm.gemm import _async_gemm_into, gemm
 from . import trace as tracing
 from ._common import check_algorithm, check_dim, resolve_group
+from ._fetch import DTYPES
 from .workspace import SIGNALS, Workspace, default_workspace
 
 
@@ -236,6 +237,10 @@ def _check_inputs(a_shard, bs, gather_dim: int):
         raise TypeError(f"a_shard must be a torch.Tensor, got {type(a_shard).__name__}")
     if a_shard.dim() < 2:
         raise ValueError(f"a_shard must be at least 2-D, got shape {tuple(a_shard.shape)}")
+    if a_shard.dtype not in DTYPES:
+        raise TypeError(f"a_shard: unsupported dtype {a_shard.dtype}; supported: {', '.join(map(str, DTYPES))}")
+    if a_shard.device.type == "meta":
+        raise ValueError("a_shard is on the meta device; tk.dist runs on real tensors")
     if isinstance(bs, torch.Tensor) or not isinstance(bs, Sequence) or len(bs) == 0:
         raise TypeError("bs must be a non-empty list of 2-D tensors")
     gather_dim = check_dim("gather_dim", gather_dim, a_shard.dim())

@@ -481,6 +481,39 @@ def test_noncontiguous_inputs(device):
     assert qkv_leaf.grad.shape == qkv_leaf.shape and bool(torch.isfinite(qkv_leaf.grad).all())
 
 
+def test_strided_cu_seqlens_and_alibi_slopes(device):
+    """cu_seqlens and alibi_slopes given as strided views (every other element, a transpose) give what
+    their contiguous copies give, forward and backward (the kernels read them as contiguous)."""
+    # [0, 7, 7, 12]; read as contiguous, [0, 2, 7, 7]: other sequences, still in bounds
+    cu = torch.tensor([0, 2, 7, 7, 7, 9, 12], dtype=torch.int32, device=device)[::2]
+    total, H, D = 12, 2, 16
+    q, k, v = (random_tensor((total, H, D), torch.float16, device) for _ in range(3))
+    dout = random_tensor((total, H, D), torch.float16, device)
+
+    def varlen_run(cu_q, cu_k, slopes):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse, _ = tk.flash_attn_varlen_func(*leaves, cu_q, cu_k, 7, 7, causal=True, alibi_slopes=slopes,
+                                                return_attn_probs=True)
+        out.backward(dout)
+        return out, lse, *(t.grad for t in leaves)
+
+    slopes_bh = alibi_slopes("BH", H, 3, device).t()     # [B, H] = [3, 2], strides (1, 3)
+    slopes_h = alibi_slopes("H", 1, 2 * H, device)[::2]  # [H] = [2], stride 2
+    for name, strided_args in (("cu_seqlens_q-cu_seqlens_k-alibiBH", (cu, cu, slopes_bh)),
+                               ("cu_seqlens_q-alibiH", (cu, cu.contiguous(), slopes_h)),
+                               ("cu_seqlens_k", (cu.contiguous(), cu, None))):
+        strided = varlen_run(*strided_args)
+        contiguous = varlen_run(*(None if t is None else t.contiguous() for t in strided_args))
+        for label, got, want in zip(("out", "lse", "dq", "dk", "dv"), strided, contiguous):
+            assert torch.equal(got, want), f"{label} differs with strided {name}"
+
+    qb, kb, vb = (random_tensor((2, 5, H, D), torch.float16, device) for _ in range(3))
+    for slopes in (alibi_slopes("BH", H, 2, device).t(), alibi_slopes("H", 1, 2 * H, device)[::2]):
+        strided = tk.flash_attn_func(qb, kb, vb, alibi_slopes=slopes)
+        assert torch.equal(strided, tk.flash_attn_func(qb, kb, vb, alibi_slopes=slopes.contiguous())), \
+            f"strided alibi_slopes {tuple(slopes.shape)}"
+
+
 # ----------------------------------------------------------------------------------------------------
 # dropout
 
@@ -674,6 +707,11 @@ def _bad_cases():
         "window-float": (batch(window_size=(1.5, 0)), r"window_size"),
         "window-below-minus-1": (batch(window_size=(-2, 0)), r"window_size"),
         "dropout-negative": (batch(dropout_p=-0.1), r"dropout_p"),
+        "causal-string": (batch(causal="no"), r"causal"),
+        "causal-int": (batch(causal=1), r"causal"),
+        "return_attn_probs-string": (batch(return_attn_probs="no"), r"return_attn_probs"),
+        "deterministic-string": (batch(deterministic="yes"), r"deterministic"),
+        "varlen-causal-string": (varlen(causal="no"), r"causal"),
         "alibi-shape": (batch(alibi_slopes=torch.ones(H + 1)), r"alibi_slopes"),
         "cu_seqlens_q-int64": (varlen(cu_q=lambda t: torch.tensor([0, 3, 8], device=t(1).device)),
                                r"cu_seqlens_q"),

@@ -353,7 +353,8 @@ def test_nan_page_zero_is_a_relabelling(layout):
         paged = make_paged_kv(k, v, cu_seqlens(lengths, "cpu"), 16, layout=layout, kv_dtype=E4M3, scale="page",
                               extra_pages=2, generator=torch.Generator().manual_seed(seed))
         swapped = nan_page_zero(paged)
-        assert bool(torch.isnan(swapped.k_cache[0].float()).all()) and bool(torch.isnan(swapped.v_cache[0].float()).all())
+        assert bool(torch.isnan(swapped.k_cache[0].float()).all())
+        assert bool(torch.isnan(swapped.v_cache[0].float()).all())
         for fmt in ("1d", "2d"):
             before = gather_paged_kv(paged.k_cache, paged.v_cache, **paged.table(fmt), k_scale=paged.k_scale,
                                      v_scale=paged.v_scale)
@@ -533,6 +534,34 @@ def test_decode_out_and_return_lse(device):
     check_against_reference("decode-out", problem, buffer, lse)
 
 
+def test_zero_query_heads_give_empty_results(device):
+    """q with 0 heads (and caches with some): batch_decode, like batch_prefill, returns empty out and lse."""
+    problem = make_paged_problem(decode_case(DK, page_size=3), device)
+    q = problem.q[:, :0]
+    out, lse = run_decode(dataclasses.replace(problem, q=q))
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    out, lse = run_prefill(dataclasses.replace(problem, q=q))
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+
+
+def test_no_backward_ops_take_grad_inputs_under_no_grad(device):
+    """The ops have no backward: inputs that require grad raise (test_bad_input) while grad mode is on, and
+    run as any other input under torch.no_grad()."""
+    problem = make_paged_problem(decode_case(DK, page_size=3), device)
+    q = problem.q.clone().requires_grad_()
+    want_prefill, want_decode = run_prefill(problem), run_decode(problem)
+    v_a, lse_a, v_b, lse_b = merge_inputs(torch.float16, device)
+    want_merge = tk.merge_attention_states(v_a, lse_a, v_b, lse_b)
+    with torch.no_grad():
+        got_prefill = run_prefill(dataclasses.replace(problem, q=q))
+        got_decode = run_decode(dataclasses.replace(problem, q=q))
+        got_merge = tk.merge_attention_states(v_a.requires_grad_(), lse_a, v_b, lse_b.requires_grad_())
+    for name, got, want in (("prefill", got_prefill, want_prefill), ("decode", got_decode, want_decode),
+                            ("merge", got_merge, want_merge)):
+        for label, g, w in zip(("out", "lse"), got, want):
+            assert torch.equal(g, w) and not g.requires_grad, f"{name} {label}"
+
+
 def merge_inputs(dtype, device, rows=11, heads=4, head_dim=40):
     """Two states with every kind of row: both finite, one -inf (its v huge: it must weigh 0), both."""
     v_a = random_tensor((rows, heads, head_dim), dtype, device)
@@ -558,6 +587,33 @@ def test_merge_attention_states(dtype, device):
     assert_close(f"merge-lse-{DTYPE_NAMES[dtype]}", lse, ref_lse, low_lse, atol=1e-6 * float(ref_lse[
         torch.isfinite(ref_lse)].abs().max()))
     assert bool((out[2, 1:] == 0).all()) and bool((lse[2, 1:] == -math.inf).all())
+
+
+def test_merge_weighs_plus_inf_lse_zero(device):
+    """lse +inf (flash_attn_*'s empty row) weighs 0 as -inf (the paged ops') does, against either kind of
+    state, and two empty states give v 0 and lse -inf whichever sign they carry. flash_attn_varlen_func
+    over a sequence with no keys, merged with a state over other keys, is that state."""
+    v_a, lse_a, v_b, lse_b = merge_inputs(torch.float16, device)
+    want_out, want_lse = tk.merge_attention_states(v_a, lse_a, v_b, lse_b)
+    plus_a, plus_b = lse_a.clone(), lse_b.clone()
+    plus_a[0], plus_b[2, 1:] = math.inf, math.inf   # row 0: a empty; row 2: a (-inf) and b (+inf) empty
+    for lse_first, lse_second in ((plus_a, lse_b), (lse_a, plus_b), (plus_a, plus_b)):
+        out, lse = tk.merge_attention_states(v_a, lse_first, v_b, lse_second)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+        ref_out, ref_lse = reference_merge_states(v_a, lse_first, v_b, lse_second)
+        assert torch.equal(ref_out, reference_merge_states(v_a, lse_a, v_b, lse_b)[0])
+        assert bool((ref_lse[2, 1:] == -math.inf).all()) and bool((ref_out[2, 1:] == 0).all())
+    both_plus = torch.full_like(lse_a, math.inf)
+    out, lse = tk.merge_attention_states(v_a, both_plus, v_b, both_plus)
+    assert bool((out == 0).all()) and bool((lse == -math.inf).all())
+
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device) for c in ([0, 3], [0, 0]))
+    q, k = random_tensor((3, 2, 16), torch.float16, device), random_tensor((1, 2, 16), torch.float16, device)
+    empty_out, empty_lse, _ = tk.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 3, 1, return_attn_probs=True)
+    other_out = random_tensor((3, 2, 16), torch.float16, device)
+    other_lse = random_tensor((3, 2), torch.float32, device)
+    out, lse = tk.merge_attention_states(empty_out, empty_lse.t(), other_out, other_lse)
+    assert torch.equal(out, other_out) and torch.equal(lse, other_lse)
 
 
 def test_merge_of_split_prefill_is_whole(device):
@@ -786,9 +842,9 @@ def _bad_cases():
             return tk.batch_prefill, args, {**tables, **extra}
         return build
 
-    def decode(q=None, **kw):
+    def decode(q=None, k=None, v=None, **kw):
         def build(t, i):
-            args = (q(t) if q else t(2, H, D), t(P, PS, 2, D), t(P, PS, 2, D))
+            args = (q(t) if q else t(2, H, D), k(t) if k else t(P, PS, 2, D), v(t) if v else t(P, PS, 2, D))
             extra = {name: value(t, i) if callable(value) else value for name, value in kw.items()}
             return tk.batch_decode, args, {"block_table": i([[0, 1, 5], [2, 3, 4]]), "seqlen_k": i([7, 12]),
                                            **extra}
@@ -817,6 +873,9 @@ def _bad_cases():
         "heads-not-multiple": (prefill(k=lambda t: t(P, PS, 3, D), v=lambda t: t(P, PS, 3, D)),
                                r"head|k_cache"),
         "head-dim-differs": (prefill(k=lambda t: t(P, PS, 2, 16), v=lambda t: t(P, PS, 2, 16)), r"k_cache"),
+        "k_cache-no-heads": (prefill(k=lambda t: t(P, PS, 0, D), v=lambda t: t(P, PS, 0, D)), r"k_cache"),
+        "decode-k_cache-no-heads": (decode(q=lambda t: t(2, 0, D), k=lambda t: t(P, PS, 0, D),
+                                           v=lambda t: t(P, PS, 0, D)), r"k_cache"),
         "caches-differ-shape": (prefill(v=lambda t: t(P, PS * 2, 2, D)), r"v_cache"),
         "caches-differ-dtype": (prefill(v=lambda t: t(P, PS, 2, D, dtype=bf16)), r"v_cache"),
         "caches-not-q-dtype": (prefill(k=lambda t: t(P, PS, 2, D, dtype=bf16),
@@ -849,6 +908,12 @@ def _bad_cases():
         "softmax_scale-zero": (prefill(softmax_scale=0.0), r"softmax_scale"),
         "out-wrong-shape": (prefill(out=lambda t, i: t(T, H, D + 1)), r"\bout\b"),
         "out-wrong-dtype": (prefill(out=lambda t, i: t(T, H, D, dtype=bf16)), r"\bout\b"),
+        "out-stride-0": (prefill(out=lambda t, i: t(1, H, D).expand(T, H, D)), r"\bout\b"),
+        "out-rows-overlap": (prefill(out=lambda t, i: t(T * D + H).as_strided((T, H, D), (D, 1, 1))), r"\bout\b"),
+        "decode-out-stride-0": (decode(out=lambda t, i: t(2, 1, D).expand(2, H, D)), r"\bout\b"),
+        "q-requires-grad": (prefill(q=lambda t: t(T, H, D).requires_grad_()), r"\bq requires grad"),
+        "v_cache-requires-grad": (prefill(v=lambda t: t(P, PS, 2, D).requires_grad_()), r"v_cache requires grad"),
+        "decode-q-requires-grad": (decode(q=lambda t: t(2, H, D).requires_grad_()), r"\bq requires grad"),
         "decode-q-2d": (decode(q=lambda t: t(2, H * D)), r"\bq\b"),
         "decode-q-batch-differs": (decode(q=lambda t: t(3, H, D)), r"block_table|seqlen_k"),
         "decode-num_splits-zero": (decode(num_splits=0), r"num_splits"),
@@ -857,6 +922,9 @@ def _bad_cases():
         "merge-v_b-dtype": (merge(v_b=lambda t: t(5, H, D, dtype=bf16)), r"v_b"),
         "merge-lse_b-shape": (merge(lse_b=lambda t: t(5, H + 1, dtype=torch.float32)), r"lse_b"),
         "merge-v_a-2d": (merge(v_a=lambda t: t(5, H * D)), r"v_a"),
+        "merge-v_b-requires-grad": (merge(v_b=lambda t: t(5, H, D).requires_grad_()), r"v_b requires grad"),
+        "merge-lse_a-requires-grad": (merge(lse_a=lambda t: t(5, H, dtype=torch.float32).requires_grad_()),
+                                      r"lse_a requires grad"),
     }
     return [pytest.param(build, match, id=name) for name, (build, match) in cases.items()]
 

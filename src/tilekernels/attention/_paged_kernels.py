@@ -369,7 +369,7 @@ def _merge_splits(Part, PartLse, Out, Lse, num_rows, num_heads, stride_split_o, 
 def _merge_states(VA, LseA, VB, LseB, Out, Lse, num_heads, stride_at, stride_ah, stride_lat, stride_lah,
                   stride_bt, stride_bh, stride_lbt, stride_lbh, stride_ot, stride_oh, stride_lt, stride_lh,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """merge_attention_states for BLOCK_H heads of one row."""
+    """merge_attention_states for BLOCK_H heads of one row (an lse of +inf or -inf: no keys, weight 0)."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -379,6 +379,9 @@ def _merge_states(VA, LseA, VB, LseB, Out, Lse, num_heads, stride_at, stride_ah,
     o_b = tl.load(VB + t * stride_bt + offs_h[:, None] * stride_bh + offs_d[None, :], mask=mask, other=0.0)
     l_a = tl.load(LseA + t * stride_lat + offs_h * stride_lah, mask=h_ok, other=float("-inf"))
     l_b = tl.load(LseB + t * stride_lbt + offs_h * stride_lbh, mask=h_ok, other=float("-inf"))
+    # flash_attn_* mark a row with no keys lse = +inf (FA2's convention), the paged ops -inf: both weigh 0
+    l_a = tl.where(l_a == float("inf"), float("-inf"), l_a)
+    l_b = tl.where(l_b == float("inf"), float("-inf"), l_b)
     out, lse = merge_pair(o_a.to(tl.float32), l_a, o_b.to(tl.float32), l_b)
     tl.store(Out + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
              cast_for_store(out, Out.dtype.element_ty), mask=mask)

@@ -244,14 +244,21 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, batch, q.shape[-2], q.device)
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     window_left, window_right = window_size
     if causal:
         window_right = 0
     seed_offset = _fwd.draw_philox_seed(q.device) if dropout_p > 0 else None
+    # the kernels index cu_seqlens and alibi_slopes as contiguous (only the slopes' batch stride is passed);
+    # the copies are a few bytes, and forward and backward (which saves these) both see them
+    if varlen:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.contiguous()
     args = (_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_seqlens_q, cu_seqlens_k,
             int(max_seqlen_q or 0), int(max_seqlen_k or 0), float(dropout_p), float(softmax_scale), int(window_left),
             int(window_right), float(softcap), alibi_slopes, seed_offset, deterministic)

@@ -113,6 +113,9 @@ class _Cache:
             self.v_x = (1, 1)
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if kv_heads == 0:
+            raise ValueError(f"k_cache and v_cache must have at least one KV head, got H_kv = 0 "
+                             f"(shape {tuple(k_cache.shape)})")
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             # the kernels keep in-page offsets in 32 bits (only the page term is 64-bit): prove it here
             extent = sum((n - 1) * abs(s) for n, s in zip(t.shape[1:], t.stride()[1:]))
@@ -186,6 +189,17 @@ def _check_q(q, decode: bool) -> None:
         raise ValueError(f"head dim (q.shape[-1]) must be in 1..{MAX_HEAD_DIM}, got {q.shape[-1]}")
 
 
+def _check_no_grad(op: str, **tensors) -> None:
+    """ValueError naming the first tensor that requires grad while grad mode is on: ``op`` has no backward,
+    so its result would silently drop out of the autograd graph (or fail only at ``backward``)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{op} has no backward, but {name} requires grad; call it under torch.no_grad() "
+                             f"or pass {name}.detach()")
+
+
 def _check_options(causal, softmax_scale, logits_soft_cap, window_left, return_lse) -> None:
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -211,6 +225,19 @@ def _check_out(out, q: torch.Tensor) -> None:
                          f"{list(out.shape)} on {out.device}")
     if out.numel() and out.stride(-1) != 1:
         raise ValueError(f"out's last dim must be contiguous, got strides {out.stride()}")
+    _check_no_overlap("out", out)
+
+
+def _check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """ValueError naming ``name`` where two elements of ``t`` share an address (a stride of 0, an
+    ``expand``ed or ``as_strided`` view): the kernels would write them in a race. The test is that each
+    stride, in increasing order, steps past the span of the smaller ones (dims of size 1 aside)."""
+    span = 0
+    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            raise ValueError(f"{name} must not have overlapping elements: strides {t.stride()} map two of its "
+                             f"{tuple(t.shape)} elements to one address")
+        span += (size - 1) * stride
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -480,7 +507,7 @@ def _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_pag
         table = _table(batch, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k, q.device)
         scales = tuple(_scale(name, t, value, cache, q.device) for name, t, value in
                        (("k_scale", k_scale, k_scale_value), ("v_scale", v_scale, v_scale_value)))
-    if total_q == 0:
+    if out.numel() == 0:   # no queries, or no heads (q [.., 0, D])
         return
     if batch == 0:
         out.zero_()
@@ -535,6 +562,8 @@ def _paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_p
     _check_q(q, decode)
     _check_options(causal, softmax_scale, logits_soft_cap, window_left, return_lse)
     _check_out(out, q)
+    _check_no_grad("batch_decode" if decode else "batch_prefill", q=q, k_cache=k_cache, v_cache=v_cache,
+                  k_scale=k_scale, v_scale=v_scale, out=out)
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
@@ -580,10 +609,11 @@ def batch_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr=None, kv_page_indice
       ``j <= i + kv_len - qo_len``; ``window_left >= 0`` also drops keys ``j < i + kv_len - qo_len - window_left``.
       ``logits_soft_cap > 0``: scores become ``cap * tanh(s / cap)``; ``softmax_scale`` default ``D ** -0.5``.
 
-    Returns out ``[total_q, H, D]`` (written into ``out`` when given), or ``(out, lse)`` with
-    ``return_lse=True``: lse ``[total_q, H]`` fp32 in natural log; a row that sees no key gets out 0 and
-    lse ``-inf`` (so ``merge_attention_states`` weighs it 0; ``flash_attn_*`` report ``+inf``, FA2's
-    backward convention).
+    Returns out ``[total_q, H, D]`` (written into ``out`` when given: last dim contiguous, no two elements
+    at one address), or ``(out, lse)`` with ``return_lse=True``: lse ``[total_q, H]`` fp32 in natural log;
+    a row that sees no key gets out 0 and lse ``-inf`` (``flash_attn_*`` report ``+inf``, FA2's backward
+    convention; ``merge_attention_states`` weighs either 0). No backward: with grad mode on, an input
+    that requires grad raises ValueError.
 
     Not checked per element, because that would read the device (a host sync, and no graph capture):
     page indices within ``[0, num_pages)``, ``kv_last_page_len`` in ``1..page_size``, ``seqlen_k[b]``
@@ -641,8 +671,10 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b):
 
     v_a, v_b ``[N, H, D]`` (fp16, bf16 or fp32, one dtype), lse_a, lse_b ``[N, H]`` fp32 in natural log.
     Returns ``(v, lse)``: ``v = (w_a v_a + w_b v_b) / (w_a + w_b)`` with ``w = exp(lse - max)``, computed
-    in fp32 and stored in v's dtype, and ``lse = log(exp(lse_a) + exp(lse_b))``. A state with lse
-    ``-inf`` (no keys) weighs 0; two give v 0 and lse ``-inf``.
+    in fp32 and stored in v's dtype, and ``lse = log(exp(lse_a) + exp(lse_b))``. A state with no keys
+    weighs 0, whether its lse says so as ``-inf`` (``batch_prefill`` / ``batch_decode``) or as ``+inf``
+    (``flash_attn_*``, FA2's convention); two such states give v 0 and lse ``-inf``. No backward: inputs
+    that require grad raise ValueError unless grad mode is off.
     """
     for name, t in (("v_a", v_a), ("v_b", v_b)):
         check_tensor(name, t, 3, "[N, H, D]")
@@ -662,6 +694,7 @@ def merge_attention_states(v_a, lse_a, v_b, lse_b):
     for name, t in (("lse_a", lse_a), ("v_b", v_b), ("lse_b", lse_b)):
         if t.device != v_a.device:
             raise ValueError(f"{name} must be on v_a's device {v_a.device}, got {t.device}")
+    _check_no_grad("merge_attention_states", v_a=v_a, lse_a=lse_a, v_b=v_b, lse_b=lse_b)
     check_runnable(v_a.device, "v_a")
     if not 1 <= v_a.shape[-1] <= MAX_HEAD_DIM:
         raise ValueError(f"head dim (v_a.shape[-1]) must be in 1..{MAX_HEAD_DIM}, got {v_a.shape[-1]}")

@@ -435,12 +435,13 @@ def reference_merge_states(v_a, lse_a, v_b, lse_b, *, compute_dtype=torch.float6
     (v ``[N, H, D]``, lse ``[N, H]``, natural log) into the state over their union.
 
     ``m = max(lse_a, lse_b)``, ``w = exp(lse - m)``: ``v = (w_a v_a + w_b v_b) / (w_a + w_b)``,
-    ``lse = m + log(w_a + w_b)``. A state with lse -inf has weight 0 (its v is never read); both -inf
-    give v 0 and lse -inf. Returns v and lse in ``compute_dtype`` (``torch.float32``: PyTorch's fp32
-    answer, the error-ratio rule's denominator once v is cast to the inputs' dtype).
+    ``lse = m + log(w_a + w_b)``. A state with lse -inf or +inf (no keys: the paged ops write -inf,
+    flash_attn_* +inf) has weight 0 (its v is never read); two such states give v 0 and lse -inf. Returns
+    v and lse in ``compute_dtype`` (``torch.float32``: PyTorch's fp32 answer, the error-ratio rule's
+    denominator once v is cast to the inputs' dtype).
     """
     v_a, v_b = v_a.to(compute_dtype), v_b.to(compute_dtype)
-    lse_a, lse_b = lse_a.to(compute_dtype), lse_b.to(compute_dtype)
+    lse_a, lse_b = (torch.where(lse == math.inf, -math.inf, lse.to(compute_dtype)) for lse in (lse_a, lse_b))
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(m == -math.inf, torch.zeros_like(m), m)
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)                              # [N, H]

@@ -42,6 +42,19 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
+    """ValueError naming ``name`` where two elements of ``t`` share an address (a stride of 0, an
+    ``expand``ed or ``as_strided`` view): kernels writing ``t`` would race. The test is that each stride,
+    in increasing order, steps past the span of the smaller ones (dims of size 1 aside). Shapes and strides
+    only, so it also runs on traced (fake) tensors."""
+    span = 0
+    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride <= span:
+            raise ValueError(f"{name} must not have overlapping elements: strides {t.stride()} map two of its "
+                             f"{tuple(t.shape)} elements to one address")
+        span += (size - 1) * stride
+
+
 def check_runnable(device: torch.device, name: str = "input") -> None:
     """Raise unless kernels can run on ``device``: CUDA, or CPU under the interpreter."""
     if device.type == "cuda":

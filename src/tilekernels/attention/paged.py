@@ -25,6 +25,7 @@ from .._runtime import (
     as_template,
     cache_put,
     cdiv,
+    check_no_self_overlap,
     check_runnable,
     descriptor_template,
     ensure_cuda_context,
@@ -225,19 +226,7 @@ def _check_out(out, q: torch.Tensor) -> None:
                          f"{list(out.shape)} on {out.device}")
     if out.numel() and out.stride(-1) != 1:
         raise ValueError(f"out's last dim must be contiguous, got strides {out.stride()}")
-    _check_no_overlap("out", out)
-
-
-def _check_no_overlap(name: str, t: torch.Tensor) -> None:
-    """ValueError naming ``name`` where two elements of ``t`` share an address (a stride of 0, an
-    ``expand``ed or ``as_strided`` view): the kernels would write them in a race. The test is that each
-    stride, in increasing order, steps past the span of the smaller ones (dims of size 1 aside)."""
-    span = 0
-    for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
-        if stride <= span:
-            raise ValueError(f"{name} must not have overlapping elements: strides {t.stride()} map two of its "
-                             f"{tuple(t.shape)} elements to one address")
-        span += (size - 1) * stride
+    check_no_self_overlap("out", out)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# the dtypes tk.dist's GEMMs and reductions take
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 ALGORITHMS = ("auto", "nccl", "pipelined", "copy_engine", "fetch")
 
 

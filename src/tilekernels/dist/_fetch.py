@@ -84,12 +84,11 @@ import triton.language as tl
 from .. import _runtime
 from .._runtime import cast_for_store, cdiv, dot, offset_i64
 from ..gemm.scheduler import tile_coords
-from ._common import check_matrix
+from ._common import DTYPES, check_matrix
 from ._signals import wait_flag
 from .workspace import FETCH, FLAG_WORDS, READY
 
 LAYOUTS = ("k", "m")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)

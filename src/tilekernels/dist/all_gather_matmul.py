@@ -57,8 +57,7 @@ import torch.distributed as dist
 from .._runtime import sm_count
 from ..gemm.gemm import _async_gemm_into, gemm
 from . import trace as tracing
-from ._common import check_algorithm, check_dim, resolve_group
-from ._fetch import DTYPES
+from ._common import DTYPES, check_algorithm, check_dim, resolve_group
 from .workspace import SIGNALS, Workspace, default_workspace
 
 

@@ -88,11 +88,10 @@ import triton.language as tl
 from .._runtime import cast_for_store, cdiv, direct_launcher, offset_i64, sm_count
 from ..gemm.gemm import _gemm_into, gemm
 from ..gemm.scheduler import _poll
-from ._common import check_algorithm, check_dim, check_matrix, resolve_group
+from ._common import DTYPES, check_algorithm, check_dim, check_matrix, resolve_group
 from ._signals import wait_flag
 from .workspace import EPOCH, PARTIAL, Workspace, default_workspace
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCE_OPS = ("sum", "avg")
 _ALIGN = 256
 

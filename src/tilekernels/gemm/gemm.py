@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_runnable, descriptor_template,
-                        ensure_cuda_context, error_table, fp32_precision, is_interpreter, on_current_device,
-                        plain_eager, rebase, sm_count, supports_tensor_descriptors, tensor_key)
+from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_no_self_overlap, check_runnable,
+                        descriptor_template, ensure_cuda_context, error_table, fp32_precision, is_interpreter,
+                        on_current_device, plain_eager, rebase, sm_count, supports_tensor_descriptors, tensor_key)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
 from .scheduler import AsyncInputScheduler
@@ -101,16 +101,11 @@ def _may_overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _check_out_memory(out: torch.Tensor, a, b, bias, residual, mul, scale_a, scale_b) -> None:
-    """``out`` must not overlap itself or any input: the kernel reads inputs after other tiles have written
-    C. The one exception is ``out`` exactly ``residual`` (same elements), which each element reads before
-    it is written."""
+    """``out`` (already checked not to overlap itself) must not overlap any input: the kernel reads inputs
+    after other tiles have written C. The one exception is ``out`` exactly ``residual`` (same elements), which
+    each element reads before it is written."""
     inputs = {"a": a, "b": b, "bias": bias, "residual": residual, "scale_a": scale_a, "scale_b": scale_b,
               **{f"mul[{i}]": m for i, m in enumerate(mul)}}
-    if out.dim() == 2 and min(out.shape) > 1:
-        (s_small, n_small), (s_large, _) = sorted(zip(out.stride(), out.shape))
-        if s_large < s_small * (n_small - 1) + 1:
-            raise ValueError(f"out must not have overlapping elements: strides {out.stride()} map two of its "
-                             f"{tuple(out.shape)} elements to one address")
     if residual is not None and residual.data_ptr() == out.data_ptr() and residual.dtype == out.dtype and (
             residual.shape == out.shape and residual.stride() == out.stride()):
         inputs = {k: v for k, v in inputs.items() if k != "residual"}
@@ -179,8 +174,7 @@ def _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, sca
         allowed = FLOAT_OUT_DTYPES + ((torch.int32,) if a.dtype == torch.int8 else ())
         if out.dtype not in allowed:
             raise TypeError(f"out: unsupported dtype {out.dtype} for {a.dtype} inputs")
-        if any(st == 0 and sz > 1 for st, sz in zip(out.stride(), out.shape)):
-            raise ValueError("out must not have overlapping elements (a stride of 0)")
+        check_no_self_overlap("out", out)
         if not torch.compiler.is_compiling():   # traced tensors have no addresses; the op checks when it runs
             _check_out_memory(out, a, b, bias, residual, mul, scale_a, scale_b)
     final_dtype = out.dtype if out is not None else (out_dtype or _default_out_dtype(a.dtype))

@@ -345,6 +345,61 @@ class CachedLaunch:
             self.launch = direct_launcher(compiled, device.index)
 
 
+class ClusterLaunch:
+    """A ``CachedLaunch`` whose programs run as thread-block clusters of ``cluster`` programs each (Hopper),
+    with ``extra_smem`` bytes of shared memory past the kernel's own, which the kernel addresses from the end
+    of its dynamic shared memory (``%dynamic_smem_size``) and its cluster partners through ``mapa``.
+
+    The kernel is compiled as usual (one CTA per program: ``program_id`` is the CTA's index, consecutive
+    programs ``cluster * c .. cluster * c + cluster - 1`` form cluster ``c``); only the launch differs:
+    triton's launcher takes the cluster size and the shared-memory bytes from the compiled kernel's
+    ``packed_metadata``, so a copy of it with those two changed launches ``grid * cluster`` programs in
+    clusters. ``prepare`` compiles without launching (a first launch without clusters would run the
+    kernel's cluster instructions outside a cluster) and says how many clusters the device runs at once,
+    so that a persistent grid can be sized to be resident. Raises RuntimeError where triton's
+    ``CompiledKernel`` does not have that API (callers then use a kernel without clusters).
+    """
+
+    __slots__ = ("kernel", "grid", "constexprs", "options", "values", "launch", "cluster", "extra_smem")
+
+    def __init__(self, kernel, grid: int, constexprs: dict, cluster: int, extra_smem: int, **options):
+        """``grid``: the number of clusters (1-D)."""
+        self.kernel, self.grid, self.constexprs, self.options = kernel, grid, constexprs, options
+        self.values = tuple(constexprs.values())
+        self.cluster, self.extra_smem = cluster, extra_smem
+        self.launch = None
+
+    def prepare(self, args: tuple, device: torch.device) -> int:
+        """Compile for these arguments (as ``__call__`` takes them) and return the most clusters the device
+        keeps resident at once."""
+        import copy
+
+        if list(self.constexprs) != self.kernel.arg_names[len(args):]:
+            raise RuntimeError("ClusterLaunch: the constexprs must be the kernel's trailing parameters")
+        with torch.cuda.device(device):
+            compiled = self.kernel.warmup(*args, grid=(self.grid,), **self.constexprs, **self.options)
+            try:
+                compiled._init_handles()
+                num_warps, _, shared = compiled.packed_metadata
+                patched = copy.copy(compiled)
+                patched.packed_metadata = (num_warps, self.cluster, -(-shared // 16) * 16 + self.extra_smem)
+                utils = triton.runtime.driver.active.utils
+                resident = utils.cuOccupancyMaxActiveClusters(compiled.function, patched.packed_metadata[2],
+                                                             self.cluster)
+            except Exception as error:  # pragma: no cover - depends on the installed triton
+                raise RuntimeError(f"ClusterLaunch: this triton cannot launch clusters ({error})") from error
+        launch = direct_launcher(patched, device.index)
+        if launch is None or resident < 1:  # pragma: no cover - depends on the installed triton
+            raise RuntimeError("ClusterLaunch: this triton or device cannot launch the clusters")
+        self.launch = launch
+        return resident
+
+    def __call__(self, args: tuple, device: torch.device) -> None:
+        if self.launch is None:
+            self.prepare(args, device)
+        self.launch(self.grid, args + self.values)
+
+
 def descriptor_template(view: torch.Tensor, shape, strides, block_shape):
     """A host TensorDescriptor over ``view`` validated once and holding no tensor (a cached plan that
     kept the first call's operands would keep their memory alive); ``rebase`` puts each call's tensor

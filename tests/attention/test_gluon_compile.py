@@ -35,7 +35,9 @@ PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1,
 # four programs share a row)
 NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8, 1), "norm-bwd-rms-registers": ("rms", 1, 16, 4, 1),
               "norm-bwd-layer-noprefetch": ("layer", 0, 16, 4, 1), "norm-bwd-layer-split4": ("layer", 2, 16, 8, 4),
-              "norm-bwd-rms-split2": ("rms", 2, 16, 8, 2)}
+              "norm-bwd-rms-split2": ("rms", 2, 16, 8, 2),
+              "norm-bwd-layer-cluster2": ("layer", 2, 16, 8, 2, True),
+              "norm-bwd-rms-cluster4": ("rms", 2, 16, 8, 4, True)}
 
 
 def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
@@ -151,7 +153,7 @@ def _compile_paged(page_size: int):
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs))
 
 
-def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, split: int):
+def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, split: int, cluster: bool = False):
     import torch
 
     from tilekernels.norm import _gluon, _kernels
@@ -167,7 +169,7 @@ def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, s
     return _compile_sm90(_gluon._row_backward_smem, dict(
         args, xchg_ptr=torch.zeros(M, split, 2, dtype=torch.int64) if split > 1 else None, max_spins=100), dict(
         NORM=_kernels.NORMS[norm], HAS_W=True, HAS_XBIAS=layer, HAS_DS=True, WANT_DW=True, WANT_DB=layer,
-        PREFETCH=prefetch, BLOCK_N=block_n, VEC=vec, SPLIT=split), num_warps=num_warps)
+        PREFETCH=prefetch, BLOCK_N=block_n, VEC=vec, SPLIT=split, CLUSTER=cluster), num_warps=num_warps)
 
 
 def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int):

@@ -947,6 +947,64 @@ def test_gpu_split_backward(case, split, device):
 
 
 @gpu
+@pytest.mark.parametrize("case, split",
+                         [pytest.param(c, s, id=f"{c.name}-cluster{s}") for c, s in SPLIT_BACKWARD_CASES])
+def test_gpu_cluster_backward(case, split, device):
+    """A row's programs as one thread-block cluster, the row sums exchanged in distributed shared memory
+    (the table's choice from 32768 columns): every gradient against the fp64 reference, dx bit-identical
+    to the exchange through global memory with the same warps (the same sums, added in part order), and
+    bit-identical over repeats."""
+    from tilekernels.norm import norm as norm_module
+
+    cluster = kern.SmemBackwardConfig(32, vec=8, split=split, cluster=True)
+    with _override("smem_backward", cluster):
+        ran = _smem_backward_ran(case, device, lambda: check_backward(case, device, layouts=True))
+        assert ran, f"{case.name}: the Gluon backward did not run"
+        assert any(plan[0].constexprs.get("CLUSTER") for plan in norm_module._BACKWARD_PLANS.values()), \
+            f"{case.name}: the cluster launch was not taken"
+        inputs = make_inputs(case, device)
+        grad_y, grad_s = _grad_outputs(case, inputs)
+        runs = [run_backward(case, inputs, grad_y, grad_s) for _ in range(3)]
+    with _override("smem_backward", kern.SmemBackwardConfig(32, vec=8, split=split)):
+        norm_module._BACKWARD_PLANS.clear()
+        through_memory = run_backward(case, inputs, grad_y, grad_s)
+    assert torch.equal(runs[0]["x"], through_memory["x"]), f"{case.name}: dx differs from the global exchange"
+    for run in runs[1:]:
+        for key in run:
+            assert torch.equal(runs[0][key], run[key]), f"{case.name}: d{key} differs between runs"
+
+
+@gpu
+def test_gpu_cluster_backward_gives_up(device):
+    """With no polls allowed, a program that does not find its partner's sums at once records the row and
+    ``tk.raise_pending_errors`` raises TimeoutError naming it; where every program found them at once, the
+    gradients are the ones of a normal call. Either way no call hangs or returns wrong values silently."""
+    from tilekernels.norm import _gluon
+    from tilekernels.norm import norm as norm_module
+
+    case = norm_case("layer_norm", torch.bfloat16, 4096, 32768)
+    inputs = make_inputs(case, device)
+    grad_y, grad_s = _grad_outputs(case, inputs)
+    with _override("smem_backward", kern.SmemBackwardConfig(32, vec=8, split=2, cluster=True)):
+        norm_module._BACKWARD_PLANS.clear()
+        want = run_backward(case, inputs, grad_y, grad_s)
+        saved, _gluon.max_spins = _gluon.max_spins, -1
+        try:
+            got = run_backward(case, inputs, grad_y, grad_s)
+            try:
+                tk.raise_pending_errors()
+            except TimeoutError as error:
+                assert "cluster partner's row sums (row " in str(error), str(error)
+            else:
+                for key in want:
+                    assert torch.equal(want[key], got[key]), f"d{key} wrong and no error raised"
+        finally:
+            _gluon.max_spins = saved
+            norm_module._BACKWARD_PLANS.clear()
+    tk.raise_pending_errors()   # the error words were cleared when raised
+
+
+@gpu
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_gpu_smem_backward_unaligned_rows(norm, device):
     """Rows that cp.async cannot copy (a row stride that is not a multiple of 16 elements) take the Triton
@@ -990,8 +1048,8 @@ def _graph_step(case, inputs, grad_y, grad_s, smooth_scale):
 @pytest.mark.parametrize("op", OPS)
 def test_gpu_cuda_graph(op, M, N, device):
     """Capture forward, backward and a quantised forward in one CUDA graph; replay with new data in the
-    captured inputs; each replay within the rule (at 32768 columns the backward's programs share rows:
-    their exchange words must start from zero in every replay)."""
+    captured inputs; each replay within the rule (at 32768 columns the backward's programs share rows, as
+    thread-block clusters whose exchange words are tagged with the row's iteration)."""
     case = norm_case(op, torch.bfloat16, M, N, residual=True, x_bias=op == "layer_norm")
     inputs = make_inputs(case, device)
     for key in grad_leaves(case, inputs):

@@ -23,13 +23,26 @@ each thread reads back only what it wrote.
 Shared memory bounds it: dw and db of a 16384-column row are 128 KiB and the staged bf16 row 64 KiB.
 Wider rows are shared (``SPLIT`` > 1): ``SPLIT`` programs each own ``N / SPLIT`` columns of
 a group's rows, with their sums in shared memory as above, and exchange their parts of each row's two
-sums through global memory (one int64 word per sum, the value's bits with a "here" bit above them, in
-a ``[M, SPLIT, 2]`` buffer zeroed per call), adding them in part order, so dx, dw and db are
-bit-identical run to run and the same in every program of a row. A program publishes its part, updates
-dw/db, then polls; a program whose partner has not published after ``max_spins`` polls (it could only
-be one that is not resident) sums that part of the row itself from memory, with the same code and so
-the same bits, and waits no more. ``_kernels.SMEM_BACKWARD_CONFIGS`` says which widths take which
-kernel (H100 figures there); ``smem_backward_applies`` says which calls they can take.
+sums, adding them in part order, so dx, dw and db are bit-identical run to run and the same in every
+program of a row. Two ways:
+
+- ``CLUSTER`` (the table's choice on Hopper): a group's programs are one thread-block cluster
+  (``_runtime.ClusterLaunch``). Thread 0 of each writes its part's sums into every partner's shared
+  memory (``mapa`` + a relaxed cluster-scope store), each sum one 64-bit word with the row's iteration
+  number above its bits, into one of two slots by the iteration's parity; the partners poll their own
+  shared memory until the words carry that tag. The round trip stays inside the GPC (0.85 of copy
+  bandwidth at 32768 columns against 0.69 through global memory, H100). The words need no fence, so the
+  dx stores in flight are not drained each row, which a cluster barrier with release semantics does
+  (0.75). Partners in a cluster run together, so a wait cannot fail; it is bounded all the same, and a
+  program that stops waiting records the row in an error word that the host raises as TimeoutError.
+- Otherwise through global memory: one int64 word per sum, the value's bits with a "here" bit above
+  them, in a ``[M, SPLIT, 2]`` buffer zeroed per call. A program publishes its part, updates dw/db, then
+  polls; a program whose partner has not published after ``max_spins`` polls (it could only be one that
+  is not resident) sums that part of the row itself from memory, with the same code and so the same
+  bits, and waits no more.
+
+``_kernels.SMEM_BACKWARD_CONFIGS`` says which widths take which kernel (H100 figures there);
+``smem_backward_applies`` says which calls they can take.
 """
 
 from __future__ import annotations
@@ -55,6 +68,14 @@ except ImportError:  # pragma: no cover - depends on the installed triton
     HAVE_GLUON = False
 
 SMEM_BYTES = 200 * 1024   # of the 227 KiB an H100 program may have, leaving room for the reductions' scratch
+
+
+def cluster_exchange_bytes(split: int) -> int:
+    """Shared memory the cluster exchange of ``_row_backward_smem`` (``CLUSTER``) takes past the kernel's own:
+    [2 parities][split parts][2 sums] tagged 64-bit words."""
+    return 32 * split
+
+
 # polls of a partner's row sums (split rows) before a program gives up and sums that part of the row itself;
 # a negative value never polls (tests: the fallback gives the same bits)
 max_spins = 1 << 16
@@ -207,17 +228,77 @@ if HAVE_GLUON:
                 spins_left = -1
         return _unword(w0), _unword(w1), spins_left
 
+    # The cluster exchange (``CLUSTER``): the ``SPLIT`` programs of a row group are one thread-block cluster,
+    # and each row's part sums travel through distributed shared memory instead of global memory. The words
+    # sit in ``cluster_exchange_bytes(SPLIT)`` bytes past the end of the kernel's own shared memory (the launch
+    # asks for that much more: ``norm.launch_backward``), as [parity][part][gx, g] fp32 pairs, parity being the
+    # row's iteration & 1: a program can be at most one row ahead of a partner (each row ends in a cluster
+    # barrier), so it never overwrites a pair its partner has yet to read. Thread 0 writes the program's pair
+    # into every program's words (``mapa`` + ``st.shared::cluster``), then every thread arrives at the cluster
+    # barrier (release); after the dw/db update every thread waits on it (acquire) and reads the pairs from its
+    # own shared memory. The barrier is the hardware's and its members are co-scheduled by definition, so
+    # nothing here can wait for a program that is not running.
+    # The exchange area's address (register a): the last $X bytes of the dynamic shared memory
+    def _area(size: str) -> str:
+        return ("mov.u32 a, global_smem; mov.u32 t, %dynamic_smem_size; add.u32 a, a, t; "
+                f"sub.u32 a, a, {size}; ")
+
+    # the area's words zeroed ("no row yet"; shared memory starts undefined), then a cluster barrier, so no
+    # partner writes a word before it was zeroed. Also used once at the end: no program leaves while a partner
+    # may still write into its shared memory.
+    _INIT_ASM = gl.constexpr(
+        "{ .reg .pred p; .reg .u32 a, t; " + _area("$1")
+        + "mov.u32 t, %tid.x; shl.b32 t, t, 3; setp.lt.u32 p, t, $1; add.u32 a, a, t; "
+        "@p st.shared.b64 [a], 0; barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.u32 $0, 0; }")
+    _SYNC_ASM = gl.constexpr("barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.u32 $0, 0;")
+    # thread 0: the two sums ($1, $2), each as one 64-bit word with the tag $4 above its bits, into words
+    # 2 * $3 and 2 * $3 + 1 of program $5's area (strong relaxed stores: a reader sees a word whole or not)
+    _PUBLISH_ASM = gl.constexpr(
+        "{ .reg .pred p; .reg .u32 a, t, lo; .reg .b64 w; " + _area("$6")
+        + "mad.lo.u32 a, $3, 16, a; mapa.shared::cluster.u32 a, a, $5; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "mov.b32 lo, $1; mov.b64 w, {lo, $4}; @p st.relaxed.cluster.shared::cluster.b64 [a], w; "
+        "mov.b32 lo, $2; mov.b64 w, {lo, $4}; @p st.relaxed.cluster.shared::cluster.b64 [a+8], w; "
+        "mov.u32 $0, 0; }")
+    # words 2 * $2 and 2 * $2 + 1 of this program's area
+    _LOAD_ASM = gl.constexpr(
+        "{ .reg .u32 a, t; " + _area("$3") + "mad.lo.u32 a, $2, 16, a; "
+        "ld.relaxed.cluster.shared::cta.b64 $0, [a]; ld.relaxed.cluster.shared::cta.b64 $1, [a+8]; }")
+    @gluon.jit
+    def _cluster_init(area_bytes):
+        return gl.inline_asm_elementwise(_INIT_ASM, "=r,r", [area_bytes], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _cluster_sync():
+        return gl.inline_asm_elementwise(_SYNC_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _cluster_publish(own_gx, own_g, index, tag, target, area_bytes):
+        """Thread 0 sends (own_gx, own_g), tagged ``tag``, into pair ``index`` of cluster program ``target``."""
+        return gl.inline_asm_elementwise(_PUBLISH_ASM, "=r,f,f,r,r,r,r",
+                                         [own_gx, own_g, index, tag, target, area_bytes], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _cluster_load(index, area_bytes):
+        """Pair ``index``'s two words in this program's area (``_unword`` has the value, bits 32 up the tag)."""
+        return gl.inline_asm_elementwise(_LOAD_ASM, "=l,=l,r,r", [index, area_bytes], dtype=(gl.int64, gl.int64),
+                                         is_pure=False, pack=1)
+
     @gluon.jit
     def _row_backward_smem(x_ptr, xbias_ptr, dy_ptr, ds_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
                            db_part_ptr, xchg_ptr, M, N, stride_xm, stride_dym, stride_dsm, max_spins,
                            NORM: gl.constexpr, HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr, HAS_DS: gl.constexpr,
                            WANT_DW: gl.constexpr, WANT_DB: gl.constexpr, PREFETCH: gl.constexpr,
-                           BLOCK_N: gl.constexpr, VEC: gl.constexpr, SPLIT: gl.constexpr):
+                           BLOCK_N: gl.constexpr, VEC: gl.constexpr, SPLIT: gl.constexpr,
+                           CLUSTER: gl.constexpr = False):
         """``SPLIT`` programs (a group; 1 for rows of ``BLOCK_N`` columns or fewer) share the group's rows,
         each ``BLOCK_N`` columns of them (``cols``). With ``SPLIT > 1`` a program
         publishes its part's two row sums (``_word``), updates dw/db while its partners' come (two programs:
         the partner's words are loaded before that update), and adds all parts' sums in part order
-        (``_partner_sums``) before its dx."""
+        (``_partner_sums``) before its dx. With ``CLUSTER`` the group is a thread-block cluster: the sums
+        travel through its shared memory (``_cluster_publish``, ``_cluster_load``), ``xchg_ptr`` is the
+        int32 error words (set, and a row, when a wait gave up), and dw/db are updated after the dx store,
+        as with one program per row (the partner's sums come in well under a row's time)."""
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
         smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         pid = gl.program_id(0)
@@ -240,6 +321,10 @@ if HAVE_GLUON:
         elif PREFETCH == 1:   # in registers
             x_next, dy_next = _load_row(x_ptr, dy_ptr, group, M, cols, mask_n, stride_xm, stride_dym)
         spins_left = max_spins
+        area_bytes = 32 * SPLIT   # cluster_exchange_bytes
+        if CLUSTER:
+            _cluster_init(area_bytes)
+        it = 0   # CLUSTER: the row's iteration; pairs and barriers by its parity
         for row in range(group, M, groups):
             if PREFETCH == 2:
                 async_copy.wait_group(0)
@@ -255,7 +340,38 @@ if HAVE_GLUON:
             rstd = gl.load(rstd_ptr + row)
             xhat, g, sum_gx, sum_g = _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM,
                                                 HAS_W, HAS_XBIAS)
-            if SPLIT > 1:
+            if CLUSTER:
+                own_gx = sum_gx
+                own_g = sum_g
+                slot = it % 2
+                tag = it + 1
+                for target in gl.static_range(SPLIT):
+                    if target != part:
+                        _cluster_publish(own_gx, own_g, slot * SPLIT + part, tag, target, area_bytes)
+                sum_gx = 0.0
+                sum_g = 0.0
+                for other in gl.static_range(SPLIT):
+                    if other == part:
+                        part_gx = own_gx
+                        part_g = own_g
+                    else:   # the partner's two words, polled until both carry this row's tag
+                        w0, w1 = _cluster_load(slot * SPLIT + other, area_bytes)
+                        spins = spins_left
+                        while (((w0 >> 32) != tag) | ((w1 >> 32) != tag)) & (spins > 0):
+                            spins -= 1
+                            w0, w1 = _cluster_load(slot * SPLIT + other, area_bytes)
+                        if ((w0 >> 32) != tag) | ((w1 >> 32) != tag):
+                            # cannot happen while the partner runs (it is in this cluster): record it, wait
+                            # no more, and let the host raise (norm._check_exchange)
+                            gl.store(xchg_ptr + 1, row)
+                            gl.store(xchg_ptr, 1)
+                            spins_left = -1
+                        part_gx = _unword(w0)
+                        part_g = _unword(w1)
+                    sum_gx += part_gx
+                    sum_g += part_g
+                it += 1
+            elif SPLIT > 1:
                 own_gx = sum_gx
                 own_g = sum_g
                 words = xchg_ptr + row.to(gl.int64) * (2 * SPLIT)
@@ -285,8 +401,10 @@ if HAVE_GLUON:
             if HAS_DS:
                 dx += gl.load(ds_ptr + row.to(gl.int64) * stride_dsm + cols, mask=mask_n, other=0.0).to(gl.float32)
             gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask_n)
-            if SPLIT == 1:
+            if SPLIT == 1 or CLUSTER:   # (the cluster's partner sums arrive in well under a row's time)
                 _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
+        if CLUSTER:   # no program leaves while a partner may still write into its shared memory
+            _cluster_sync()
         if PREFETCH == 2:   # the last copy (of no row: masked) lands before the program exits
             async_copy.wait_group(0)
         part_row = group.to(gl.int64) * N

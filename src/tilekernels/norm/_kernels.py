@@ -795,6 +795,9 @@ class SmemBackwardConfig:
     programs_per_sm: int = 1
     # programs per row, each with its own columns (a power of two): they exchange their parts of the row sums
     split: int = 1
+    # split > 1: a row's programs are one thread-block cluster and exchange the sums in distributed shared
+    # memory (Hopper) instead of through global memory
+    cluster: bool = False
 
 
 # (power-of-two width, norm) -> SmemBackwardConfig: the widths where the Gluon backward
@@ -806,13 +809,18 @@ class SmemBackwardConfig:
 # programs share each row (``split``), 16384 columns each: at 32768 layer
 # 0.69-0.71 and rms 0.82 against 0.47 / 0.77 for the Triton kernel, at 65536 0.64 / 0.76 against 0.34 /
 # 0.54. Programs of 8192 columns (split 4 at 32768, two per SM) measured 0.49-0.63; 32 warps 0.49-0.81.
+# Since 2026-11-24 a row's programs are one thread-block cluster and exchange the row sums through
+# distributed shared memory (``cluster``): at 32768 layer 0.845-0.849 and rms 0.953-0.956 (32 warps) against
+# 0.690-0.694 / 0.820-0.826 for the exchange through global memory in the same runs; at 65536 0.736-0.741 /
+# 0.809-0.814 against 0.641-0.644 / 0.763-0.767. At 16384, two programs of 8192 columns per SM in clusters
+# measured 0.53-0.76, below the single program's 0.83 / 0.91.
 SMEM_BACKWARD_CONFIGS = {
     (16384, "layer"): SmemBackwardConfig(32, vec=8),
     (16384, "rms"): SmemBackwardConfig(16, vec=8),
-    (32768, "layer"): SmemBackwardConfig(16, vec=8, split=2),
-    (32768, "rms"): SmemBackwardConfig(16, vec=8, split=2),
-    (65536, "layer"): SmemBackwardConfig(16, vec=8, split=4),
-    (65536, "rms"): SmemBackwardConfig(16, vec=8, split=4),
+    (32768, "layer"): SmemBackwardConfig(32, vec=8, split=2, cluster=True),
+    (32768, "rms"): SmemBackwardConfig(32, vec=8, split=2, cluster=True),
+    (65536, "layer"): SmemBackwardConfig(32, vec=8, split=4, cluster=True),
+    (65536, "rms"): SmemBackwardConfig(32, vec=8, split=4, cluster=True),
 }
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from typing import Optional
 
 import torch
 import triton
 
-from .._runtime import (CachedLaunch, cache_put, cdiv, check_runnable, on_current_device, plain_eager, sm_count,
-                        tensor_key)
+from .._runtime import (CachedLaunch, ClusterLaunch, cache_put, cdiv, check_runnable, on_current_device, plain_eager,
+                        register_error_check, sm_count, tensor_key)
 from . import _gluon
 from . import _kernels as kern
 
@@ -184,6 +185,48 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
     return y, q, scale, s, mean, rstd
 
 
+class _ExchangeErrors:
+    """The cluster backward's error words, per device: word 0 is set, and word 1 holds a row, when a program
+    stopped waiting for a cluster partner's row sums (``_gluon._row_backward_smem``). Partners in a cluster
+    run together, so that means a bug; the row's dx is then wrong, and ``check`` (at the next backward on
+    the device, and in ``tk.raise_pending_errors``) raises. Pinned host memory mapped into the device:
+    written only on failure, read without synchronising."""
+
+    def __init__(self):
+        self.tables: dict = {}
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        key = (device.type, device.index)
+        if key not in self.tables:
+            self.tables[key] = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+            register_error_check(device, weakref.WeakMethod(self.check))
+        return self.tables[key]
+
+    def check(self) -> None:
+        for (kind, index), table in self.tables.items():
+            words = table.numpy()
+            if words[0]:
+                row = int(words[1])
+                words[:] = 0
+                raise TimeoutError(
+                    f"the layer_norm / rms_norm backward on {kind}:{index}: a program stopped waiting for its "
+                    f"cluster partner's row sums (row {row}) after max_spins polls, so dx of that row is wrong. "
+                    "Partners in a cluster run together, so this is a tilekernels bug: please report it.")
+
+
+_EXCHANGE_ERRORS = _ExchangeErrors()
+
+
+def _exchange_errors(device: torch.device) -> torch.Tensor:
+    return _EXCHANGE_ERRORS.table(device)
+
+
+def _check_exchange(device: torch.device) -> None:
+    """Raise if an earlier cluster backward recorded a wait that gave up (reads what has landed)."""
+    if _EXCHANGE_ERRORS.tables:
+        _EXCHANGE_ERRORS.check()
+
+
 def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_db):
     """dx ``[M, N]`` in x's dtype and dw, db ``[N]`` fp32 (None where not wanted)."""
     if not on_current_device(x):
@@ -206,9 +249,28 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
         if _gluon.smem_backward_applies(x, dy, ds, smem, block_n, want_dw, want_db):
             # row_programs groups of smem.split programs, each program one column part of the group's rows
             row_programs = max(1, min(M, smem.programs_per_sm * sm_count(device) // smem.split))
-            rows = CachedLaunch(_gluon._row_backward_smem, row_programs * smem.split, dict(
-                **switches, PREFETCH=smem.prefetch, BLOCK_N=block_n // smem.split, VEC=smem.vec, SPLIT=smem.split),
-                num_warps=smem.num_warps)
+            constexprs = dict(**switches, PREFETCH=smem.prefetch, BLOCK_N=block_n // smem.split, VEC=smem.vec,
+                              SPLIT=smem.split, CLUSTER=smem.cluster and smem.split > 1)
+            rows = None
+            if constexprs["CLUSTER"]:
+                # a row group's programs are one cluster and exchange the row sums in shared memory; the
+                # grid is sized to the clusters the device keeps resident (compiled here, with stand-ins
+                # for the per-call buffers)
+                rows = ClusterLaunch(_gluon._row_backward_smem, row_programs, constexprs, smem.split,
+                                     _gluon.cluster_exchange_bytes(smem.split), num_warps=smem.num_warps)
+                part = torch.empty((1, N), dtype=torch.float32, device=device)
+                try:
+                    resident = rows.prepare(
+                        (x, x_bias, dy, ds, weight, mean, rstd, dx, part if want_dw else None,
+                         part if want_db else None, _exchange_errors(device), M, N, x.stride(0), dy.stride(0),
+                         ds.stride(0) if ds is not None else 0, _gluon.max_spins), device)
+                    row_programs = rows.grid = min(row_programs, resident)
+                except RuntimeError:   # no cluster launch in this triton: the exchange through global memory
+                    rows = None
+                    constexprs["CLUSTER"] = False
+            if rows is None:
+                rows = CachedLaunch(_gluon._row_backward_smem, row_programs * smem.split, constexprs,
+                                    num_warps=smem.num_warps)
         else:
             config = kern.backward_config(N, norm, device)
             row_programs, split_n = kern.backward_grid(M, N, config, device)
@@ -223,8 +285,14 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
     db_part = torch.empty((row_programs, N), dtype=torch.float32, device=device) if want_db else None
     if rows.kernel is not kern._row_backward:   # the Gluon kernel: unit column strides
         split = rows.constexprs["SPLIT"]
-        # the row parts' sums, exchanged between a row's programs: a zeroed word is "not yet" (_gluon._word)
-        xchg = torch.zeros((M, split, 2), dtype=torch.int64, device=device) if split > 1 else None
+        # the row parts' sums, exchanged between a row's programs: a zeroed word is "not yet" (_gluon._word);
+        # a cluster exchanges them in shared memory
+        xchg = None
+        if rows.constexprs["CLUSTER"]:   # then only the error words of a wait that gave up
+            _check_exchange(device)
+            xchg = _exchange_errors(device)
+        elif split > 1:
+            xchg = torch.zeros((M, split, 2), dtype=torch.int64, device=device)
         rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, xchg, M, N, x.stride(0), dy.stride(0),
               ds.stride(0) if ds is not None else 0, _gluon.max_spins), device)
     else:

@@ -31,13 +31,13 @@ BACKWARD_CASES = {"bwd-D128-causal": (128, True, None), "bwd-D64-full": (64, Fal
                   "bwd-D64-causal-with-dq": (64, True, True), "bwd-D64-full-dkdv-only": (64, False, False),
                   "bwd-D256-causal": (256, True, None), "bwd-D256-window": (256, "window", None)}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
-# (norm, prefetch mode, warps, columns per access, programs per row): 16384 columns per program (8192 when
-# four programs share a row)
+# (norm, prefetch mode, warps, columns per access, programs per row[, a thread-block cluster]): 16384
+# columns per program (8192 when four programs share a row)
 NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8, 1), "norm-bwd-rms-registers": ("rms", 1, 16, 4, 1),
               "norm-bwd-layer-noprefetch": ("layer", 0, 16, 4, 1), "norm-bwd-layer-split4": ("layer", 2, 16, 8, 4),
               "norm-bwd-rms-split2": ("rms", 2, 16, 8, 2),
-              "norm-bwd-layer-cluster2": ("layer", 2, 16, 8, 2, True),
-              "norm-bwd-rms-cluster4": ("rms", 2, 16, 8, 4, True)}
+              "norm-bwd-layer-cluster2": ("layer", 2, 32, 8, 2, True),
+              "norm-bwd-rms-cluster4": ("rms", 2, 32, 8, 4, True)}
 
 
 def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):

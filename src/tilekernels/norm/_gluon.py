@@ -285,6 +285,23 @@ if HAVE_GLUON:
                                          is_pure=False, pack=1)
 
     @gluon.jit
+    def _cluster_partner_sums(errors, index, tag, row, spins_left, area_bytes):
+        """The (gx, g) sums in pair ``index`` of this program's area, polled up to ``spins_left`` times until
+        both words carry ``tag``. They cannot fail to come while the partner runs (it is in this cluster);
+        if they do, ``errors`` records the row, this program waits no more (``spins_left`` -1) and the host
+        raises (``norm._check_exchange``). Returns (gx, g, spins left)."""
+        w0, w1 = _cluster_load(index, area_bytes)
+        spins = spins_left
+        while (((w0 >> 32) != tag) | ((w1 >> 32) != tag)) & (spins > 0):
+            spins -= 1
+            w0, w1 = _cluster_load(index, area_bytes)
+        if ((w0 >> 32) != tag) | ((w1 >> 32) != tag):
+            gl.store(errors + 1, row)
+            gl.store(errors, 1)
+            spins_left = -1
+        return _unword(w0), _unword(w1), spins_left
+
+    @gluon.jit
     def _row_backward_smem(x_ptr, xbias_ptr, dy_ptr, ds_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
                            db_part_ptr, xchg_ptr, M, N, stride_xm, stride_dym, stride_dsm, max_spins,
                            NORM: gl.constexpr, HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr, HAS_DS: gl.constexpr,
@@ -324,7 +341,7 @@ if HAVE_GLUON:
         area_bytes = 32 * SPLIT   # cluster_exchange_bytes
         if CLUSTER:
             _cluster_init(area_bytes)
-        it = 0   # CLUSTER: the row's iteration; pairs and barriers by its parity
+        it = 0   # CLUSTER: the row's iteration (its parity picks the slot; it + 1 tags the words)
         for row in range(group, M, groups):
             if PREFETCH == 2:
                 async_copy.wait_group(0)
@@ -340,52 +357,30 @@ if HAVE_GLUON:
             rstd = gl.load(rstd_ptr + row)
             xhat, g, sum_gx, sum_g = _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM,
                                                 HAS_W, HAS_XBIAS)
-            if CLUSTER:
+            if SPLIT > 1:
                 own_gx = sum_gx
                 own_g = sum_g
-                slot = it % 2
-                tag = it + 1
-                for target in gl.static_range(SPLIT):
-                    if target != part:
-                        _cluster_publish(own_gx, own_g, slot * SPLIT + part, tag, target, area_bytes)
+                if CLUSTER:   # dw/db are updated after the dx store: the partners' sums come in well before
+                    slot = it % 2
+                    for target in gl.static_range(SPLIT):
+                        if target != part:
+                            _cluster_publish(own_gx, own_g, slot * SPLIT + part, it + 1, target, area_bytes)
+                else:
+                    words = xchg_ptr + row.to(gl.int64) * (2 * SPLIT)
+                    gl.atomic_xchg(words + 2 * part, _word(own_gx), sem="relaxed", scope="gpu")
+                    gl.atomic_xchg(words + 2 * part + 1, _word(own_g), sem="relaxed", scope="gpu")
+                    if SPLIT == 2:   # the partner's words: the loads overlap the dw/db update
+                        w0, w1 = _load_words(words + 2 * (1 - part), spins_left)
+                    _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
                 sum_gx = 0.0
                 sum_g = 0.0
                 for other in gl.static_range(SPLIT):
                     if other == part:
                         part_gx = own_gx
                         part_g = own_g
-                    else:   # the partner's two words, polled until both carry this row's tag
-                        w0, w1 = _cluster_load(slot * SPLIT + other, area_bytes)
-                        spins = spins_left
-                        while (((w0 >> 32) != tag) | ((w1 >> 32) != tag)) & (spins > 0):
-                            spins -= 1
-                            w0, w1 = _cluster_load(slot * SPLIT + other, area_bytes)
-                        if ((w0 >> 32) != tag) | ((w1 >> 32) != tag):
-                            # cannot happen while the partner runs (it is in this cluster): record it, wait
-                            # no more, and let the host raise (norm._check_exchange)
-                            gl.store(xchg_ptr + 1, row)
-                            gl.store(xchg_ptr, 1)
-                            spins_left = -1
-                        part_gx = _unword(w0)
-                        part_g = _unword(w1)
-                    sum_gx += part_gx
-                    sum_g += part_g
-                it += 1
-            elif SPLIT > 1:
-                own_gx = sum_gx
-                own_g = sum_g
-                words = xchg_ptr + row.to(gl.int64) * (2 * SPLIT)
-                gl.atomic_xchg(words + 2 * part, _word(own_gx), sem="relaxed", scope="gpu")
-                gl.atomic_xchg(words + 2 * part + 1, _word(own_g), sem="relaxed", scope="gpu")
-                if SPLIT == 2:   # the partner's words: the loads overlap the dw/db update
-                    w0, w1 = _load_words(words + 2 * (1 - part), spins_left)
-                _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
-                sum_gx = 0.0
-                sum_g = 0.0
-                for other in gl.static_range(SPLIT):
-                    if other == part:
-                        part_gx = own_gx
-                        part_g = own_g
+                    elif CLUSTER:
+                        part_gx, part_g, spins_left = _cluster_partner_sums(
+                            xchg_ptr, slot * SPLIT + other, it + 1, row, spins_left, area_bytes)
                     else:
                         if SPLIT > 2:
                             w0, w1 = _load_words(words + 2 * other, spins_left)
@@ -394,6 +389,7 @@ if HAVE_GLUON:
                             N, stride_xm, stride_dym, spins_left, layout, NORM, HAS_W, HAS_XBIAS, BLOCK_N)
                     sum_gx += part_gx
                     sum_g += part_g
+                it += 1
             if NORM == NORM_LAYER:
                 dx = (g - xhat * (sum_gx / N) - sum_g / N) * rstd
             else:
@@ -401,7 +397,7 @@ if HAVE_GLUON:
             if HAS_DS:
                 dx += gl.load(ds_ptr + row.to(gl.int64) * stride_dsm + cols, mask=mask_n, other=0.0).to(gl.float32)
             gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask_n)
-            if SPLIT == 1 or CLUSTER:   # (the cluster's partner sums arrive in well under a row's time)
+            if SPLIT == 1 or CLUSTER:
                 _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
         if CLUSTER:   # no program leaves while a partner may still write into its shared memory
             _cluster_sync()

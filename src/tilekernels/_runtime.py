@@ -14,6 +14,7 @@ Device side (``@triton.jit`` helpers imported by kernels):
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import threading
@@ -345,7 +346,7 @@ class CachedLaunch:
             self.launch = direct_launcher(compiled, device.index)
 
 
-class ClusterLaunch:
+class ClusterLaunch(CachedLaunch):
     """A ``CachedLaunch`` whose programs run as thread-block clusters of ``cluster`` programs each (Hopper),
     with ``extra_smem`` bytes of shared memory past the kernel's own, which the kernel addresses from the end
     of its dynamic shared memory (``%dynamic_smem_size``) and its cluster partners through ``mapa``.
@@ -360,20 +361,16 @@ class ClusterLaunch:
     ``CompiledKernel`` does not have that API (callers then use a kernel without clusters).
     """
 
-    __slots__ = ("kernel", "grid", "constexprs", "options", "values", "launch", "cluster", "extra_smem")
+    __slots__ = ("cluster", "extra_smem")
 
     def __init__(self, kernel, grid: int, constexprs: dict, cluster: int, extra_smem: int, **options):
         """``grid``: the number of clusters (1-D)."""
-        self.kernel, self.grid, self.constexprs, self.options = kernel, grid, constexprs, options
-        self.values = tuple(constexprs.values())
+        super().__init__(kernel, grid, constexprs, **options)
         self.cluster, self.extra_smem = cluster, extra_smem
-        self.launch = None
 
     def prepare(self, args: tuple, device: torch.device) -> int:
         """Compile for these arguments (as ``__call__`` takes them) and return the most clusters the device
         keeps resident at once."""
-        import copy
-
         if list(self.constexprs) != self.kernel.arg_names[len(args):]:
             raise RuntimeError("ClusterLaunch: the constexprs must be the kernel's trailing parameters")
         with torch.cuda.device(device):

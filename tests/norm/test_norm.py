@@ -946,6 +946,20 @@ def test_gpu_split_backward(case, split, device):
         assert torch.equal(exchanged[key], alone[key]), f"{case.name}: d{key} differs without the exchange"
 
 
+def test_cluster_exchange_error_words_raise():
+    """What the cluster backward leaves when a wait gave up (word 0 set, word 1 the row) is raised by
+    ``tk.raise_pending_errors`` as TimeoutError naming the row, once: the words are cleared."""
+    from tilekernels.norm import norm as norm_module
+
+    words = norm_module._exchange_errors(torch.device("cpu"))
+    words[1], words[0] = 123, 1
+    with pytest.raises(TimeoutError, match=r"cluster partner's row sums \(row 123\)"):
+        tk.raise_pending_errors()
+    assert int(words[0]) == 0
+    tk.raise_pending_errors()
+    norm_module._check_exchange(torch.device("cpu"))
+
+
 @gpu
 @pytest.mark.parametrize("case, split",
                          [pytest.param(c, s, id=f"{c.name}-cluster{s}") for c, s in SPLIT_BACKWARD_CASES])

@@ -569,7 +569,9 @@ def test_gpu_smem_quant(T, H, k, dtype, config, quant_dtype, device, poison_allo
     x[T - 1] *= 1e-35   # tiny: scaled by 2^100 before the division
     E = 16
     smooth_scale = torch.rand(E, H, device=device) + 0.5
-    topk_ids = routing(T, k, E, torch.int32, device)
+    # the ids travel through the ring by cp.async too: 8-byte ids with fp16 x, a column stride with fp32 x
+    topk_ids = routing(T, k, E, torch.int64 if dtype == torch.float16 else torch.int32, device,
+                       transposed=dtype == torch.float32)
     topk_ids[1, k - 1] = E
     topk_ids[T - 2, 0] = -1
     bad_rows = [(k - 1) * T + 1, T - 2]

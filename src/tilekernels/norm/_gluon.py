@@ -417,24 +417,18 @@ if HAVE_GLUON:
 # Triton row kernel holds x and the expert row in registers, which caps the rows in flight per SM (0.81 of
 # copy bandwidth at 4096 columns on the H100). Here a few persistent programs per SM copy x a token ahead
 # into a ring of shared-memory rows by cp.async (no registers held for it), load each output row's expert
-# row one row ahead into registers (the ids two tokens ahead, so that load never waits for them), and read
-# x back from shared memory twice per output row (for max|z|, then for q) instead of holding z: 0.90 at
-# 4096 and 0.86 at 8192 columns with k 2 (``_kernels.SMEM_QUANT_CONFIGS``). The same loop for dynamic and
-# smooth quantisation measured slower than the Triton kernel, so it does MoE only. Gluon cannot call the
-# Triton kernel's jit functions, so ``_quant_row`` repeats ``_kernels._row_scales`` and ``_quantize``
-# (their constants are shared); the GPU tests check the two bit for bit.
+# row one row ahead into registers (the ids through the same ring a token ahead of x, so that load never
+# waits for them), and read x back from shared memory twice per output row (for max|z|, then for q) instead
+# of holding z: 0.91 at 4096 and 0.87 at 8192 columns with k 2 (``_kernels.SMEM_QUANT_CONFIGS``). The same
+# loop for dynamic and smooth quantisation measured slower than the Triton kernel, so it does MoE only.
+# Gluon cannot call the Triton kernel's jit functions, so ``_quant_row`` repeats ``_kernels._row_scales`` and
+# ``_quantize`` (their constants are shared); the GPU tests check the two bit for bit.
 
 
 if HAVE_GLUON:
     @gluon.jit
     def _max_nan(a, b):
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @gluon.jit
-    def _stage_x(slot, x_ptr, token, T, cols, mask_n, stride_xm):
-        """Token ``token``'s row of x into ring slot ``slot`` by cp.async (nothing past T), one commit group."""
-        _async_load(slot, x_ptr + token.to(gl.int64) * stride_xm + cols, mask=mask_n & (token < T))
-        async_copy.commit_group()
 
     @gluon.jit
     def _quant_row(slot, smooth, row, valid, q_ptr, scale_ptr, N, cols, mask_n, layout: gl.constexpr,
@@ -485,6 +479,27 @@ if HAVE_GLUON:
         return valid, smooth
 
     @gluon.jit
+    def _stage_token(x_slot, ids_slot, x_ptr, topk_ptr, token, ids_token, T, cols, mask_n, stride_xm, stride_tk_t,
+                     stride_tk_j, TOPK: gl.constexpr):
+        """Token ``token``'s x (the columns ``cols``) and token ``ids_token``'s expert ids (copied by threads 0 ..
+        k-1, one id each) into ring slots by cp.async, one commit group. The ids travel through shared memory
+        too: a register loaded a few tokens ahead would still be waited for within one iteration (the loop moves
+        it from register to register, and a move waits for the load)."""
+        lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        lane = gl.arange(0, 32 * gl.num_warps(), layout=lane_layout)
+        _async_load(x_slot, x_ptr + token.to(gl.int64) * stride_xm + cols, mask=mask_n & (token < T))
+        _async_load(ids_slot, topk_ptr + ids_token.to(gl.int64) * stride_tk_t + lane * stride_tk_j,
+                    mask=(lane < TOPK) & (ids_token < T))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _slot_ids(ids_slot, KP: gl.constexpr):
+        """A token's expert ids from its ring slot, int64 ``[KP]`` with every thread holding all (after the copies
+        landed and a CTA barrier: other threads copied them)."""
+        ids_layout: gl.constexpr = gl.BlockedLayout([KP], [32], [gl.num_warps()], [0])
+        return ids_slot.slice(0, KP).load(ids_layout).to(gl.int64)
+
+    @gluon.jit
     def _moe_rows_smem(x_ptr, smooth_ptr, topk_ptr, q_ptr, scale_ptr, T, N, num_experts, stride_xm, stride_sm,
                        stride_tk_t, stride_tk_j, QMAX: gl.constexpr, TOPK: gl.constexpr, BLOCK_N: gl.constexpr,
                        VEC: gl.constexpr, STAGES: gl.constexpr, EVEN_N: gl.constexpr):
@@ -502,22 +517,28 @@ if HAVE_GLUON:
         else:
             mask_n = cols < N
         ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_N], ring_layout)
+        # each copy group: a token's x and the next token's ids (a slot more than x's ring: a slot is refilled only
+        # after a CTA barrier that every thread passed after reading it)
+        ids_ring = gl.allocate_shared_memory(topk_ptr.dtype.element_ty, [STAGES + 1, 32 * gl.num_warps()], ring_layout)
         for s in gl.static_range(STAGES - 1):
-            _stage_x(ring.index(s), x_ptr, pid + s * step, T, cols, mask_n, stride_xm)
+            _stage_token(ring.index(s), ids_ring.index(s + 1), x_ptr, topk_ptr, pid + s * step, pid + (s + 1) * step, T,
+                         cols, mask_n, stride_xm, stride_tk_t, stride_tk_j, TOPK)
         KP: gl.constexpr = triton.next_power_of_2(TOPK)
-        # expert ids a token and two tokens ahead, and the first row's expert row
+        # the first token's expert ids, and the first row's expert row
         ids = _token_ids(topk_ptr, pid, T, stride_tk_t, stride_tk_j, TOPK, KP)
-        ids_next = _token_ids(topk_ptr, pid + step, T, stride_tk_t, stride_tk_j, TOPK, KP)
         smooth_valid, smooth = _expert_row(smooth_ptr, ids, 0, num_experts, stride_sm, cols, mask_n, KP)
         slot = 0
+        it = 0
         for token in range(pid, T, step):
-            # the slot read last iteration (each thread copies and reads back only its own elements: no barrier)
-            _stage_x(ring.index((slot + STAGES - 1) % STAGES), x_ptr, token + (STAGES - 1) * step, T, cols, mask_n,
-                     stride_xm)
+            # x into the slot read last iteration (each thread copies and reads back only its own elements), the
+            # ids into the slot last read two iterations ago (a CTA barrier since)
+            _stage_token(ring.index((slot + STAGES - 1) % STAGES), ids_ring.index((it + STAGES) % (STAGES + 1)), x_ptr,
+                         topk_ptr, token + (STAGES - 1) * step, token + STAGES * step, T, cols, mask_n, stride_xm,
+                         stride_tk_t, stride_tk_j, TOPK)
             async_copy.wait_group(STAGES - 1)
+            _cta_barrier()   # the next token's ids landed (copied by other threads)
+            ids_next = _slot_ids(ids_ring.index((it + 1) % (STAGES + 1)), KP)
             x_slot = ring.index(slot)
-            # the ids are loaded two tokens ahead, so the expert rows never wait for them
-            ids_after = _token_ids(topk_ptr, token + 2 * step, T, stride_tk_t, stride_tk_j, TOPK, KP)
             for j in gl.static_range(TOPK):
                 valid = smooth_valid
                 row_smooth = smooth
@@ -530,6 +551,6 @@ if HAVE_GLUON:
                                                        KP)
                 _quant_row(x_slot, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, layout, QMAX)
             ids = ids_next
-            ids_next = ids_after
             slot = (slot + 1) % STAGES
+            it += 1
         async_copy.wait_group(0)   # the last copies (of no token: masked) land before the program exits

@@ -840,7 +840,8 @@ class SmemQuantConfig:
 # GPU (when its ring fits in shared memory and x's rows suit cp.async). H100 sweep (bf16 x, int8, 256 MiB of x,
 # 3 interleaved rounds of do_bench medians, fractions of a copy timed in the same process, benchmarks/NOTES.md):
 # - moe_smooth_quant, E 8, k 2: 4096 columns 0.90 (4 warps, 4 programs per SM, 2 or 3 ring slots; the Triton
-#   kernel 0.82), 8192 0.86 (8 warps, 2 per SM, 2 slots; Triton 0.81; 3 slots 0.75). With E 64, k 2: 0.89 /
+#   kernel 0.82), 8192 0.86 (8 warps, 2 per SM, 2 slots; Triton 0.81; 3 slots 0.75); 0.91 / 0.87 since the ids
+#   travel through the ring. With E 64, k 2: 0.89 /
 #   0.86 against 0.80 / 0.82. But with k 8 (E 64) 0.50 / 0.52 against the Triton kernel's 0.58 / 0.60, so
 #   only k <= 2 takes it. At 16384 and 32768 the expert rows held one row ahead take too many registers
 #   (0.68-0.69 and 0.24 with spills, against 0.73).

@@ -44,10 +44,11 @@ def default_device() -> torch.device:
 
 
 def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
-    """ValueError naming ``name`` where two elements of ``t`` share an address (a stride of 0, an
+    """ValueError naming ``name`` where two elements of ``t`` may share an address (a stride of 0, an
     ``expand``ed or ``as_strided`` view): kernels writing ``t`` would race. The test is that each stride,
-    in increasing order, steps past the span of the smaller ones (dims of size 1 aside). Shapes and strides
-    only, so it also runs on traced (fake) tensors."""
+    in increasing order, steps past the span of the smaller ones (dims of size 1 aside); it is conservative:
+    the rare interleaved layouts that fail it without overlapping (shape (2, 3), strides (3, 2)) are refused
+    too. Shapes and strides only, so it also runs on traced (fake) tensors."""
     span = 0
     for stride, size in sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1):
         if stride <= span:

@@ -951,13 +951,13 @@ def test_cluster_exchange_error_words_raise():
     ``tk.raise_pending_errors`` as TimeoutError naming the row, once: the words are cleared."""
     from tilekernels.norm import norm as norm_module
 
-    words = norm_module._exchange_errors(torch.device("cpu"))
+    words = norm_module._EXCHANGE_ERRORS.table(torch.device("cpu"))
     words[1], words[0] = 123, 1
     with pytest.raises(TimeoutError, match=r"cluster partner's row sums \(row 123\)"):
         tk.raise_pending_errors()
     assert int(words[0]) == 0
     tk.raise_pending_errors()
-    norm_module._check_exchange(torch.device("cpu"))
+    norm_module._EXCHANGE_ERRORS.check()
 
 
 @gpu

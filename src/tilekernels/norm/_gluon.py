@@ -232,13 +232,12 @@ if HAVE_GLUON:
     # The cluster exchange (``CLUSTER``): the ``SPLIT`` programs of a row group are one thread-block cluster,
     # and each row's part sums travel through distributed shared memory instead of global memory. The words
     # sit in ``cluster_exchange_bytes(SPLIT)`` bytes past the end of the kernel's own shared memory (the launch
-    # asks for that much more: ``norm.launch_backward``), as [parity][part][gx, g] fp32 pairs, parity being the
-    # row's iteration & 1: a program can be at most one row ahead of a partner (each row ends in a cluster
-    # barrier), so it never overwrites a pair its partner has yet to read. Thread 0 writes the program's pair
-    # into every program's words (``mapa`` + ``st.shared::cluster``), then every thread arrives at the cluster
-    # barrier (release); after the dw/db update every thread waits on it (acquire) and reads the pairs from its
-    # own shared memory. The barrier is the hardware's and its members are co-scheduled by definition, so
-    # nothing here can wait for a program that is not running.
+    # asks for that much more: ``norm.launch_backward``), as [parity][part][gx, g] 64-bit words, each the sum's
+    # bits with the row's iteration + 1 above them, parity being the iteration & 1. Thread 0 writes the
+    # program's pair into every partner's words (``mapa`` + a relaxed ``st.shared::cluster``); every thread
+    # polls its own shared memory until a partner's pair carries the row's tag. No fence and no barrier per
+    # row: a program publishes row i + 2 (parity of i) only after its poll of row i + 1 saw every partner's pair,
+    # each published after that partner's own poll of row i, so a pair is never overwritten before it is read.
     # The exchange area's address (register a): the last $X bytes of the dynamic shared memory
     def _area(size: str) -> str:
         return ("mov.u32 a, global_smem; mov.u32 t, %dynamic_smem_size; add.u32 a, a, t; "
@@ -290,7 +289,7 @@ if HAVE_GLUON:
         """The (gx, g) sums in pair ``index`` of this program's area, polled up to ``spins_left`` times until
         both words carry ``tag``. They cannot fail to come while the partner runs (it is in this cluster);
         if they do, ``errors`` records the row, this program waits no more (``spins_left`` -1) and the host
-        raises (``norm._check_exchange``). Returns (gx, g, spins left)."""
+        raises (``norm._ExchangeErrors``). Returns (gx, g, spins left)."""
         w0, w1 = _cluster_load(index, area_bytes)
         spins = spins_left
         while (((w0 >> 32) != tag) | ((w1 >> 32) != tag)) & (spins > 0):

@@ -203,6 +203,8 @@ class _ExchangeErrors:
         return self.tables[key].tensor
 
     def check(self) -> None:
+        """Raise if a cluster backward on any device recorded a wait that gave up (reads what has landed; no
+        sync)."""
         for (kind, index), table in self.tables.items():
             words = table.words
             if words[0]:
@@ -215,16 +217,6 @@ class _ExchangeErrors:
 
 
 _EXCHANGE_ERRORS = _ExchangeErrors()
-
-
-def _exchange_errors(device: torch.device) -> torch.Tensor:
-    return _EXCHANGE_ERRORS.table(device)
-
-
-def _check_exchange(device: torch.device) -> None:
-    """Raise if an earlier cluster backward recorded a wait that gave up (reads what has landed)."""
-    if _EXCHANGE_ERRORS.tables:
-        _EXCHANGE_ERRORS.check()
 
 
 def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_db):
@@ -262,7 +254,7 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
                 try:
                     resident = rows.prepare(
                         (x, x_bias, dy, ds, weight, mean, rstd, dx, part if want_dw else None,
-                         part if want_db else None, _exchange_errors(device), M, N, x.stride(0), dy.stride(0),
+                         part if want_db else None, _EXCHANGE_ERRORS.table(device), M, N, x.stride(0), dy.stride(0),
                          ds.stride(0) if ds is not None else 0, _gluon.max_spins), device)
                     row_programs = rows.grid = min(row_programs, resident)
                 except RuntimeError:   # no cluster launch in this triton: the exchange through global memory
@@ -289,8 +281,8 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
         # a cluster exchanges them in shared memory
         xchg = None
         if rows.constexprs["CLUSTER"]:   # then only the error words of a wait that gave up
-            _check_exchange(device)
-            xchg = _exchange_errors(device)
+            _EXCHANGE_ERRORS.check()   # an earlier call's wait that gave up, if it has landed by now
+            xchg = _EXCHANGE_ERRORS.table(device)
         elif split > 1:
             xchg = torch.zeros((M, split, 2), dtype=torch.int64, device=device)
         rows((x, x_bias, dy, ds, weight, mean, rstd, dx, dw_part, db_part, xchg, M, N, x.stride(0), dy.stride(0),

@@ -57,6 +57,55 @@ def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
         span += (size - 1) * stride
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of memory that ``t``'s elements (non-negative strides) can touch."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _row_bytes(t: torch.Tensor):
+    """For a ``t`` of two or more dims whose elements are contiguous past its first dim (or a 2-D ``t``
+    contiguous along its first): (the other dim's stride in bytes, the byte offset of its first element
+    within that period, the bytes it takes per period), else None. A slice of a fused buffer's rows (q of a
+    QKV projection ``[T, H, D]``) has this form."""
+    if t.dim() < 2:
+        return None
+    es = t.element_size()
+    dense, expected = True, 1
+    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
+        if size != 1 and stride != expected:
+            dense = False
+            break
+        expected *= size
+    blocks = [(expected, t.stride(0))] if dense else []
+    if t.dim() == 2 and (t.stride(0) == 1 or t.shape[0] == 1):
+        blocks.append((t.shape[0], t.stride(1)))
+    for inner, stride in blocks:
+        period = stride * es
+        if period and inner * es <= period:
+            return period, t.data_ptr() % period, inner * es
+    return None
+
+
+def may_overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` may share memory: their byte spans meet, unless both are column (or row) blocks
+    of one buffer with the same row stride whose column ranges are apart (a slice of a fused QKV buffer).
+    Tensors of different storages share no memory (torch's own rule for ``out=``: views of one allocation share
+    its storage), which is also the fast answer for unrelated tensors."""
+    if x.numel() == 0 or y.numel() == 0 or x.device != y.device:
+        return False
+    if x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr():
+        return False
+    (x0, x1), (y0, y1) = _byte_span(x), _byte_span(y)
+    if x1 <= y0 or y1 <= x0:
+        return False
+    rx, ry = _row_bytes(x), _row_bytes(y)
+    if rx is not None and ry is not None and rx[0] == ry[0]:
+        period, gap = rx[0], (ry[1] - rx[1]) % rx[0]   # where y's bytes start, counted from x's, in each period
+        return not (gap >= rx[2] and period - gap >= ry[2])
+    return True
+
+
 def check_runnable(device: torch.device, name: str = "input") -> None:
     """Raise unless kernels can run on ``device``: CUDA, or CPU under the interpreter."""
     if device.type == "cuda":

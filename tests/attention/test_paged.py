@@ -942,6 +942,47 @@ def test_bad_input(build, match, device):
         fn(*args, **kwargs)
 
 
+def test_out_sharing_memory_with_inputs(device):
+    """out= that shares memory with q, a cache or the page table is refused, naming what it overlaps (the
+    kernels read those while other programs write out: a silently wrong result otherwise); q and out as
+    disjoint head blocks of one fused buffer are allowed, and give what a separate out gives."""
+    T, H, D, P, PS = 8, 4, 32, 6, 4
+
+    def t(*shape):
+        return random_tensor(shape, torch.float16, device)
+
+    def i(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    tables = {"kv_indptr": i([0, 2, 5]), "kv_page_indices": i([0, 1, 2, 3, 4]), "kv_last_page_len": i([3, 4])}
+    q, k, v, qo = t(T, H, D), t(P, PS, 2, D), t(P, PS, 2, D), i([0, 3, 8])
+    fused = t(T, 2 * H, D)
+    q_part, out_part = fused[:, :H], fused[:, H:]
+    ahead = t(T * H * D + H * D)
+    cases = (("q", q, q), ("k_cache", q, k.view(-1)[:T * H * D].view(T, H, D)),
+             ("v_cache", q, v.view(-1)[D:D + T * H * D].view(T, H, D)),
+             ("q", q_part, fused[:, 1:H + 1]),                                  # one head of the other's block
+             ("q", ahead[:T * H * D].view(T, H, D), ahead[H * D:].view(T, H, D)))   # a row apart
+    for name, query, out in cases:
+        with pytest.raises(ValueError, match=rf"out overlaps {name}\b"):
+            tk.batch_prefill(query, k, v, qo, **tables, out=out)
+    with pytest.raises(ValueError, match=r"out overlaps q\b"):
+        tk.batch_decode(q[:2], k, v, block_table=i([[0, 1, 5], [2, 3, 4]]), seqlen_k=i([7, 12]), out=q[:2])
+    shared = torch.zeros(T * H * D * 2, dtype=torch.uint8, device=device)
+    pages = shared[:20].view(torch.int32)
+    pages.copy_(i([0, 1, 2, 3, 4]))
+    with pytest.raises(ValueError, match=r"out overlaps kv_page_indices\b"):
+        tk.batch_prefill(q, k, v, qo, kv_indptr=i([0, 2, 5]), kv_page_indices=pages, kv_last_page_len=i([3, 4]),
+                         out=shared.view(torch.float16).view(T, H, D))
+    # allowed: q and out are the two halves of each row of one buffer
+    q_before = q_part.clone()
+    expected = tk.batch_prefill(q_part, k, v, qo, **tables)
+    got = tk.batch_prefill(q_part, k, v, qo, **tables, out=out_part)
+    assert got.data_ptr() == out_part.data_ptr()
+    assert torch.equal(q_part, q_before)
+    assert torch.equal(out_part, expected)
+
+
 # ====================================================================================================
 # GPU lane (-m gpu): real sizes, caches past 4 GB, CUDA graphs, no host synchronisation
 

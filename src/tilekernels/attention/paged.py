@@ -31,6 +31,7 @@ from .._runtime import (
     ensure_cuda_context,
     is_hopper,
     is_interpreter,
+    may_overlap,
     on_current_device,
     plain_eager,
     rebase,
@@ -227,6 +228,16 @@ def _check_out(out, q: torch.Tensor) -> None:
     if out.numel() and out.stride(-1) != 1:
         raise ValueError(f"out's last dim must be contiguous, got strides {out.stride()}")
     check_no_self_overlap("out", out)
+
+
+def _check_out_memory(out: torch.Tensor, **inputs) -> None:
+    """``out`` must share no memory with any input (q, the caches, the page table, the scales): the kernels read
+    them while other programs write out, so an overlap would be a silently wrong result. Addresses only, so
+    plain tensors only (the op's body checks traced calls when they run)."""
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and may_overlap(out, t):
+            raise ValueError(f"out overlaps {name} in memory; pass an out that shares no memory with q, the caches, "
+                             "the page table or the scales")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -531,6 +542,9 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_
     table and scales are checked in ``_run``, once per call signature (``_PLANS``). ``qo_indptr``
     None means decode (one query per sequence); ``num_splits`` 0 is automatic; host-float scales arrive
     as ``*_scale_value`` with the tensor None."""
+    _check_out_memory(out, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                      kv_page_indices=kv_page_indices, kv_last_page_len=kv_last_page_len, block_table=block_table,
+                      seqlen_k=seqlen_k, k_scale=k_scale, v_scale=v_scale)
     _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,
          k_scale, v_scale, out, lse, causal, softmax_scale, logits_soft_cap, window_left, k_scale_value,
          v_scale_value, num_splits)
@@ -568,6 +582,11 @@ def _paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_p
         q = q.contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    elif plain_eager(out) and all(plain_eager(t) for t in (q, k_cache, v_cache)):
+        # q as the kernel reads it (a copy when its last dim was strided); the op path checks in its body
+        _check_out_memory(out, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                          kv_page_indices=kv_page_indices, kv_last_page_len=kv_last_page_len,
+                          block_table=block_table, seqlen_k=seqlen_k, k_scale=k_tensor, v_scale=v_tensor)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
     # plain eager calls skip the dispatcher (~40 us of host time per call on the H100 host, measured with
     # a cached plan); torch.compile, fake tensors and subclasses go through the op
@@ -598,11 +617,11 @@ def batch_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr=None, kv_page_indice
       ``j <= i + kv_len - qo_len``; ``window_left >= 0`` also drops keys ``j < i + kv_len - qo_len - window_left``.
       ``logits_soft_cap > 0``: scores become ``cap * tanh(s / cap)``; ``softmax_scale`` default ``D ** -0.5``.
 
-    Returns out ``[total_q, H, D]`` (written into ``out`` when given: last dim contiguous, no two elements
-    at one address), or ``(out, lse)`` with ``return_lse=True``: lse ``[total_q, H]`` fp32 in natural log;
-    a row that sees no key gets out 0 and lse ``-inf`` (``flash_attn_*`` report ``+inf``, FA2's backward
-    convention; ``merge_attention_states`` weighs either 0). No backward: with grad mode on, an input
-    that requires grad raises ValueError.
+    Returns out ``[total_q, H, D]`` (written into ``out`` when given: last dim contiguous, no two elements at one
+    address, no memory shared with q, the caches, the page table or the scales), or ``(out, lse)`` with
+    ``return_lse=True``: lse ``[total_q, H]`` fp32 in natural log; a row that sees no key gets out 0 and lse
+    ``-inf`` (``flash_attn_*`` report ``+inf``, FA2's backward convention; ``merge_attention_states`` weighs
+    either 0). No backward: with grad mode on, an input that requires grad raises ValueError.
 
     Not checked per element, because that would read the device (a host sync, and no graph capture):
     page indices within ``[0, num_pages)``, ``kv_last_page_len`` in ``1..page_size``, ``seqlen_k[b]``

@@ -14,7 +14,8 @@ import torch
 
 from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_no_self_overlap, check_runnable,
                         descriptor_template, ensure_cuda_context, error_table, fp32_precision, is_interpreter,
-                        on_current_device, plain_eager, rebase, sm_count, supports_tensor_descriptors, tensor_key)
+                        may_overlap, on_current_device, plain_eager, rebase, sm_count, supports_tensor_descriptors,
+                        tensor_key)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
 from .scheduler import AsyncInputScheduler
@@ -64,42 +65,6 @@ def _check_scale(name: str, s, length: int, dim_name: str, device: torch.device)
                          f"got shape {tuple(s.shape)}")
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) bytes of memory that ``t``'s elements (non-negative strides) can touch."""
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _row_bytes(t: torch.Tensor):
-    """For a 2-D ``t`` whose elements are contiguous along one dimension: (the other dimension's stride in
-    bytes, the byte offset of its first element within that period, the bytes it takes per period), else
-    None."""
-    if t.dim() != 2:
-        return None
-    es = t.element_size()
-    for inner, outer in ((1, 0), (0, 1)):
-        if t.stride(inner) == 1 or t.shape[inner] == 1:
-            period = t.stride(outer) * es
-            if period and t.shape[inner] * es <= period:
-                return period, t.data_ptr() % period, t.shape[inner] * es
-    return None
-
-
-def _may_overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether ``x`` and ``y`` may share memory: their byte spans meet, unless both are column (or row) blocks
-    of one buffer with the same row stride whose column ranges are apart (a slice of a fused QKV buffer)."""
-    if x.numel() == 0 or y.numel() == 0 or x.device != y.device:
-        return False
-    (x0, x1), (y0, y1) = _byte_span(x), _byte_span(y)
-    if x1 <= y0 or y1 <= x0:
-        return False
-    rx, ry = _row_bytes(x), _row_bytes(y)
-    if rx is not None and ry is not None and rx[0] == ry[0]:
-        period, gap = rx[0], (ry[1] - rx[1]) % rx[0]   # where y's bytes start, counted from x's, in each period
-        return not (gap >= rx[2] and period - gap >= ry[2])
-    return True
-
-
 def _check_out_memory(out: torch.Tensor, a, b, bias, residual, mul, scale_a, scale_b) -> None:
     """``out`` (already checked not to overlap itself) must not overlap any input: the kernel reads inputs
     after other tiles have written C. The one exception is ``out`` exactly ``residual`` (same elements), which
@@ -110,7 +75,7 @@ def _check_out_memory(out: torch.Tensor, a, b, bias, residual, mul, scale_a, sca
             residual.shape == out.shape and residual.stride() == out.stride()):
         inputs = {k: v for k, v in inputs.items() if k != "residual"}
     for name, t in inputs.items():
-        if isinstance(t, torch.Tensor) and _may_overlap(out, t):
+        if isinstance(t, torch.Tensor) and may_overlap(out, t):
             raise ValueError(f"out overlaps {name} in memory; pass an out that shares no memory with the inputs "
                              "(out=residual itself is allowed)")
 

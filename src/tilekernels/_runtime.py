@@ -88,8 +88,9 @@ def _row_bytes(t: torch.Tensor):
 
 
 def may_overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether ``x`` and ``y`` may share memory: their byte spans meet, unless both are column (or row) blocks
-    of one buffer with the same row stride whose column ranges are apart (a slice of a fused QKV buffer).
+    """Whether ``x`` and ``y`` may share memory: their byte spans meet, unless both are blocks of the rows (or,
+    2-D, the columns) of one buffer with the same row stride and apart within each row (slices of a fused QKV
+    buffer).
     Tensors of different storages share no memory (torch's own rule for ``out=``: views of one allocation share
     its storage), which is also the fast answer for unrelated tensors."""
     if x.numel() == 0 or y.numel() == 0 or x.device != y.device:

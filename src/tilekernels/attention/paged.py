@@ -582,8 +582,9 @@ def _paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_p
         q = q.contiguous()
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    elif plain_eager(out) and all(plain_eager(t) for t in (q, k_cache, v_cache)):
-        # q as the kernel reads it (a copy when its last dim was strided); the op path checks in its body
+    elif all(plain_eager(t) for t in (q, k_cache, v_cache)):
+        # the eager path (below); q as the kernel reads it (a copy when its last dim was strided); the op
+        # path checks in its body
         _check_out_memory(out, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
                           kv_page_indices=kv_page_indices, kv_last_page_len=kv_last_page_len,
                           block_table=block_table, seqlen_k=seqlen_k, k_scale=k_tensor, v_scale=v_tensor)

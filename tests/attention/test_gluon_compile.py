@@ -71,6 +71,7 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
 # moe_smooth_quant's Gluon forward (norm/_gluon._moe_rows_smem): (N, x dtype name, quant dtype name, k); the
 # widths with an SMEM_QUANT_CONFIGS entry take it, the others a config of their own
 QUANT_CASES = {"moe-quant-4096": (4096, "bfloat16", "int8", 2),
+               "moe-quant-16384": (16384, "bfloat16", "int8", 2),
                "moe-quant-masked": (7168, "float16", "float8_e4m3fn", 1),
                "moe-quant-fp32": (2048, "float32", "int8", 3)}
 

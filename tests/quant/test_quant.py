@@ -508,6 +508,7 @@ SMEM_QUANT_CASES = [
     (64, 4096, 2, torch.float32, (4, 4, 2)),
     (100, 4112, 4, torch.bfloat16, (4, 3, 3)),
     (300, 16384, 2, torch.float16, (16, 4, 1)),
+    (400, 16384, 2, torch.bfloat16, (16, 3, 1)),     # the table's 16384 config
     (129, 32768, 3, torch.bfloat16, (16, 2, 1)),
 ]
 
@@ -539,15 +540,17 @@ def _smem_quant_run(x, smooth_scale, topk_ids, quant_dtype, config):
 
 
 def test_smem_quant_table():
-    """Which calls the Gluon forward's table gives it (on a GPU): MoE rows of 4096 and 8192 columns with k <= 2
-    (k 8 measured slower than the Triton kernel), no other kind or width; never on the CPU lane."""
+    """Which calls the Gluon forward's table gives it (on a GPU): MoE rows of 4096, 8192 and 16384 columns with
+    k <= 2 (k 8 measured slower than the Triton kernel), no other kind or width; never on the CPU lane."""
     from tilekernels.norm import _gluon
     from tilekernels.norm import _kernels as kern
 
     assert kern.smem_quant_config(4096, "moe", 2) is kern.SMEM_QUANT_CONFIGS[("moe", 4096)]
     assert kern.smem_quant_config(7168, "moe", 1) is kern.SMEM_QUANT_CONFIGS[("moe", 8192)]
     assert kern.smem_quant_config(4096, "moe", 8) is None
-    assert kern.smem_quant_config(16384, "moe", 2) is None
+    assert kern.smem_quant_config(16384, "moe", 2) is kern.SMEM_QUANT_CONFIGS[("moe", 16384)]
+    assert kern.smem_quant_config(16384, "moe", 3) is None
+    assert kern.smem_quant_config(32768, "moe", 2) is None
     assert kern.smem_quant_config(4096, "smooth") is None and kern.smem_quant_config(4096, None) is None
     x = torch.zeros(4, 4096, dtype=torch.bfloat16)
     assert not _gluon.smem_quant_applies(x, kern.SMEM_QUANT_CONFIGS[("moe", 4096)], 4096)

@@ -418,9 +418,9 @@ if HAVE_GLUON:
 # copy bandwidth at 4096 columns on the H100). Here a few persistent programs per SM copy x a token ahead
 # into a ring of shared-memory rows by cp.async (no registers held for it), load each output row's expert
 # row one row ahead into registers (the ids through the same ring a token ahead of x, so that load never
-# waits for them), and read x back from shared memory twice per output row (for max|z|, then for q) instead
-# of holding z: 0.91 at 4096 and 0.87 at 8192 columns with k 2 (``_kernels.SMEM_QUANT_CONFIGS``). The same
-# loop for dynamic and smooth quantisation measured slower than the Triton kernel, so it does MoE only.
+# waits for them), and read x back from shared memory once per output row, holding z from max|z| to q
+# (``_kernels.SMEM_QUANT_CONFIGS`` has the widths and figures). The same loop for dynamic and smooth
+# quantisation measured slower than the Triton kernel, so it does MoE only.
 # Gluon cannot call the Triton kernel's jit functions, so ``_quant_row`` repeats ``_kernels._row_scales`` and
 # ``_quantize`` (their constants are shared); the GPU tests check the two bit for bit.
 
@@ -435,15 +435,16 @@ if HAVE_GLUON:
                    QMAX: gl.constexpr):
         """Quantise one row, z = x (from ring slot ``slot``) * ``smooth``, into row ``row`` of q and row_scale, as
         the Triton kernel's ``_row_scales`` and ``_quantize`` do (the same operations in the same order: the same
-        bits). z is computed twice, for max|z| and for q, rather than held: fewer registers per thread, so more
-        programs per SM."""
-        amax = gl.reduce(gl.abs(slot.load(layout).to(gl.float32) * smooth), 0, _max_nan)
+        bits). z is held in registers from max|z| to q: the loop runs near the SM's instruction issue limit, and
+        reading the slot back and multiplying again cost more than the registers (H100, E 8, k 2: 0.911-0.916 ->
+        0.923-0.929 of copy bandwidth at 4096 columns, 0.868-0.875 -> 0.885-0.890 at 8192, the same configs and
+        no spills; benchmarks/NOTES.md)."""
+        z = slot.load(layout).to(gl.float32) * smooth
+        amax = gl.reduce(gl.abs(z), 0, _max_nan)
         scale = gl.where(valid, gl.div_rn(amax, QMAX), float("nan"))
         nonzero = valid & (amax > 0.0) & (amax <= FP32_MAX)
         prescale = gl.where(amax < TINY_AMAX, PRESCALE, gl.where(amax <= FP32_MAX, 1.0, 0.0))
         inv_scale = gl.where(nonzero, gl.div_rn(QMAX, gl.where(nonzero, amax * prescale, 1.0)), 0.0)
-        _cta_barrier()   # keeps the compiler from merging the two reads of the slot into one held row
-        z = slot.load(layout).to(gl.float32) * smooth
         if prescale == 1.0:
             v = z * inv_scale
         else:

@@ -843,13 +843,17 @@ class SmemQuantConfig:
 #   kernel 0.82), 8192 0.86 (8 warps, 2 per SM, 2 slots; Triton 0.81; 3 slots 0.75); 0.91 / 0.87 since the ids
 #   travel through the ring. With E 64, k 2: 0.89 /
 #   0.86 against 0.80 / 0.82. But with k 8 (E 64) 0.50 / 0.52 against the Triton kernel's 0.58 / 0.60, so
-#   only k <= 2 takes it. At 16384 and 32768 the expert rows held one row ahead take too many registers
-#   (0.68-0.69 and 0.24 with spills, against 0.73).
+#   only k <= 2 takes it. With z held from max|z| to q (``_gluon._quant_row``, 2026-11-24, same configs):
+#   4096 0.923-0.929, 8192 0.884-0.890. At 16384 the ring then beats the Triton kernel too: 16 warps, one
+#   program per SM, 3 slots 0.759-0.763 (2 slots 0.745-0.748, 4 slots 0.748-0.751, 8 warps in two programs
+#   0.74, 32 warps 0.68) against 0.723-0.727; with E 64 0.764-0.765 against 0.736-0.741. At 32768 the expert
+#   rows held one row ahead take too many registers (0.24-0.32 with spills, against 0.73).
 # - dynamic / smooth quantisation through the same loop (the smooth row loaded once per program) measured
 #   slower than the Triton kernel at every width (smooth_quant 0.85 against 0.90 at 32768, 0.93-0.95 against
 #   0.96-0.98 at 4096-16384), so the loop does MoE only.
 SMEM_QUANT_CONFIGS = {("moe", 4096): SmemQuantConfig(4, stages=2, programs_per_sm=4, max_topk=2),
-                      ("moe", 8192): SmemQuantConfig(8, stages=2, programs_per_sm=2, max_topk=2)}
+                      ("moe", 8192): SmemQuantConfig(8, stages=2, programs_per_sm=2, max_topk=2),
+                      ("moe", 16384): SmemQuantConfig(16, stages=3, programs_per_sm=1, max_topk=2)}
 
 # tests and sweeps: {"forward": RowConfig, "backward": RowConfig, "smem_backward": SmemBackwardConfig, or None
 # for the Triton backward, "smem_quant": SmemQuantConfig, or None for the Triton forward}

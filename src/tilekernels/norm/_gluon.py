@@ -418,8 +418,8 @@ if HAVE_GLUON:
 # copy bandwidth at 4096 columns on the H100). Here a few persistent programs per SM copy x a token ahead
 # into a ring of shared-memory rows by cp.async (no registers held for it), load each output row's expert
 # row one row ahead into registers (the ids through the same ring a token ahead of x, so that load never
-# waits for them), and read x back from shared memory once per output row, holding z from max|z| to q
-# (``_kernels.SMEM_QUANT_CONFIGS`` has the widths and figures). The same loop for dynamic and smooth
+# waits for them), and read x from shared memory once per token, holding it for the token's k rows and z from
+# max|z| to q (``_kernels.SMEM_QUANT_CONFIGS`` has the widths and figures). The same loop for dynamic and smooth
 # quantisation measured slower than the Triton kernel, so it does MoE only.
 # Gluon cannot call the Triton kernel's jit functions, so ``_quant_row`` repeats ``_kernels._row_scales`` and
 # ``_quantize`` (their constants are shared); the GPU tests check the two bit for bit.
@@ -431,15 +431,14 @@ if HAVE_GLUON:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
-    def _quant_row(slot, smooth, row, valid, q_ptr, scale_ptr, N, cols, mask_n, layout: gl.constexpr,
-                   QMAX: gl.constexpr):
-        """Quantise one row, z = x (from ring slot ``slot``) * ``smooth``, into row ``row`` of q and row_scale, as
-        the Triton kernel's ``_row_scales`` and ``_quantize`` do (the same operations in the same order: the same
-        bits). z is held in registers from max|z| to q: the loop runs near the SM's instruction issue limit, and
-        reading the slot back and multiplying again cost more than the registers (H100, E 8, k 2: 0.911-0.916 ->
-        0.923-0.929 of copy bandwidth at 4096 columns, 0.868-0.875 -> 0.885-0.890 at 8192, the same configs and
-        no spills; benchmarks/NOTES.md)."""
-        z = slot.load(layout).to(gl.float32) * smooth
+    def _quant_row(x, smooth, row, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX: gl.constexpr):
+        """Quantise one row, z = ``x`` (a token's row as read from its ring slot) * ``smooth``, into row ``row`` of q
+        and row_scale, as the Triton kernel's ``_row_scales`` and ``_quantize`` do (the same operations in the same
+        order: the same bits). z is held in registers from max|z| to q: the loop runs near the SM's instruction
+        issue limit, and reading the slot back and multiplying again cost more than the registers (H100, E 8,
+        k 2: 0.911-0.916 -> 0.923-0.929 of copy bandwidth at 4096 columns, 0.868-0.875 -> 0.885-0.890 at 8192,
+        the same configs and no spills; benchmarks/NOTES.md)."""
+        z = x.to(gl.float32) * smooth
         amax = gl.reduce(gl.abs(z), 0, _max_nan)
         scale = gl.where(valid, gl.div_rn(amax, QMAX), float("nan"))
         nonzero = valid & (amax > 0.0) & (amax <= FP32_MAX)
@@ -539,7 +538,10 @@ if HAVE_GLUON:
             async_copy.wait_group(STAGES - 1)
             _cta_barrier()   # the next token's ids landed (copied by other threads)
             ids_next = _slot_ids(ids_ring.index((it + 1) % (STAGES + 1)), KP)
-            x_slot = ring.index(slot)
+            # read once for the token's k rows and held as read (16-bit x: half the registers of fp32), converted
+            # per row: 0.884-0.891 -> 0.905-0.908 of copy at 8192 columns (k 2), 0.927-0.930 -> 0.931-0.935 at
+            # 4096, 0.762-0.765 -> 0.776-0.778 at 16384; converting once and holding fp32 measured 0.1-0.3% less
+            x = ring.index(slot).load(layout)
             for j in gl.static_range(TOPK):
                 valid = smooth_valid
                 row_smooth = smooth
@@ -550,7 +552,7 @@ if HAVE_GLUON:
                 else:
                     smooth_valid, smooth = _expert_row(smooth_ptr, ids_next, 0, num_experts, stride_sm, cols, mask_n,
                                                        KP)
-                _quant_row(x_slot, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, layout, QMAX)
+                _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX)
             ids = ids_next
             slot = (slot + 1) % STAGES
             it += 1

@@ -847,7 +847,8 @@ class SmemQuantConfig:
 #   4096 0.923-0.929, 8192 0.884-0.890. At 16384 the ring then beats the Triton kernel too: 16 warps, one
 #   program per SM, 3 slots 0.759-0.763 (2 slots 0.745-0.748, 4 slots 0.748-0.751, 8 warps in two programs
 #   0.74, 32 warps 0.68) against 0.723-0.727; with E 64 0.764-0.765 against 0.736-0.741. At 32768 the expert
-#   rows held one row ahead take too many registers (0.24-0.32 with spills, against 0.73).
+#   rows held one row ahead take too many registers (0.24-0.32 with spills, against 0.73). Then x read from
+#   its slot once per token and held for the k rows: 4096 0.931-0.935, 8192 0.905-0.908, 16384 0.776-0.778.
 # - dynamic / smooth quantisation through the same loop (the smooth row loaded once per program) measured
 #   slower than the Triton kernel at every width (smooth_quant 0.85 against 0.90 at 32768, 0.93-0.95 against
 #   0.96-0.98 at 4096-16384), so the loop does MoE only.

@@ -259,7 +259,7 @@ def _quantize(z, inv_scale, prescale, q_dtype: tl.constexpr, QMAX: tl.constexpr)
     the conversion instruction issues at a quarter of the FP32 rate.
 
     fp8 needs no clamp to +-QMAX: inv_scale is QMAX / max|z| correctly rounded, so |v| <= QMAX (1 + 2^-24)^2,
-    which rounds to QMAX (e4m3's next value is 32 higher), and the GPU's conversion saturates besides.
+    which rounds to QMAX (e4m3's grid step there is 32), and the GPU's conversion saturates besides.
     """
     if (tl.min(prescale, axis=0) == 1.0) & (tl.max(prescale, axis=0) == 1.0):
         v = z * inv_scale[:, None]

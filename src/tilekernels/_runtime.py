@@ -107,6 +107,15 @@ def may_overlap(x: torch.Tensor, y: torch.Tensor) -> bool:
     return True
 
 
+def check_out_memory(out: torch.Tensor, inputs: dict, hint: str) -> None:
+    """ValueError naming the first of ``inputs`` (name -> tensor or None) that ``out`` may share memory with
+    (``may_overlap``): a kernel reading it while other programs write ``out`` would give a silently wrong
+    result. ``hint`` ends the message (what to pass instead)."""
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and may_overlap(out, t):
+            raise ValueError(f"out overlaps {name} in memory; {hint}")
+
+
 def check_runnable(device: torch.device, name: str = "input") -> None:
     """Raise unless kernels can run on ``device``: CUDA, or CPU under the interpreter."""
     if device.type == "cuda":

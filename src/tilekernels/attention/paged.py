@@ -26,12 +26,12 @@ from .._runtime import (
     cache_put,
     cdiv,
     check_no_self_overlap,
+    check_out_memory,
     check_runnable,
     descriptor_template,
     ensure_cuda_context,
     is_hopper,
     is_interpreter,
-    may_overlap,
     on_current_device,
     plain_eager,
     rebase,
@@ -230,14 +230,14 @@ def _check_out(out, q: torch.Tensor) -> None:
     check_no_self_overlap("out", out)
 
 
-def _check_out_memory(out: torch.Tensor, **inputs) -> None:
-    """``out`` must share no memory with any input (q, the caches, the page table, the scales): the kernels read
-    them while other programs write out, so an overlap would be a silently wrong result. Addresses only, so
-    plain tensors only (the op's body checks traced calls when they run)."""
-    for name, t in inputs.items():
-        if isinstance(t, torch.Tensor) and may_overlap(out, t):
-            raise ValueError(f"out overlaps {name} in memory; pass an out that shares no memory with q, the caches, "
-                             "the page table or the scales")
+def _check_out_memory(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table,
+                      seqlen_k, k_scale, v_scale) -> None:
+    """``out`` must share no memory with any input: the kernels read them while other programs write out.
+    Addresses only, so plain tensors only (the op's body checks traced calls when they run)."""
+    check_out_memory(out, dict(q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                               kv_page_indices=kv_page_indices, kv_last_page_len=kv_last_page_len,
+                               block_table=block_table, seqlen_k=seqlen_k, k_scale=k_scale, v_scale=v_scale),
+                     "pass an out that shares no memory with q, the caches, the page table or the scales")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -542,9 +542,8 @@ def _paged_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_
     table and scales are checked in ``_run``, once per call signature (``_PLANS``). ``qo_indptr``
     None means decode (one query per sequence); ``num_splits`` 0 is automatic; host-float scales arrive
     as ``*_scale_value`` with the tensor None."""
-    _check_out_memory(out, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                      kv_page_indices=kv_page_indices, kv_last_page_len=kv_last_page_len, block_table=block_table,
-                      seqlen_k=seqlen_k, k_scale=k_scale, v_scale=v_scale)
+    _check_out_memory(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table,
+                      seqlen_k, k_scale, v_scale)
     _run(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len, block_table, seqlen_k,
          k_scale, v_scale, out, lse, causal, softmax_scale, logits_soft_cap, window_left, k_scale_value,
          v_scale_value, num_splits)
@@ -585,9 +584,8 @@ def _paged(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_p
     elif all(plain_eager(t) for t in (q, k_cache, v_cache)):
         # the eager path (below); q as the kernel reads it (a copy when its last dim was strided); the op
         # path checks in its body
-        _check_out_memory(out, q=q, k_cache=k_cache, v_cache=v_cache, qo_indptr=qo_indptr, kv_indptr=kv_indptr,
-                          kv_page_indices=kv_page_indices, kv_last_page_len=kv_last_page_len,
-                          block_table=block_table, seqlen_k=seqlen_k, k_scale=k_tensor, v_scale=v_tensor)
+        _check_out_memory(out, q, k_cache, v_cache, qo_indptr, kv_indptr, kv_page_indices, kv_last_page_len,
+                          block_table, seqlen_k, k_tensor, v_tensor)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
     # plain eager calls skip the dispatcher (~40 us of host time per call on the H100 host, measured with
     # a cached plan); torch.compile, fake tensors and subclasses go through the op

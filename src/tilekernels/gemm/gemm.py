@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_no_self_overlap, check_runnable,
-                        descriptor_template, ensure_cuda_context, error_table, fp32_precision, is_interpreter,
-                        may_overlap, on_current_device, plain_eager, rebase, sm_count, supports_tensor_descriptors,
+from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_no_self_overlap, check_out_memory,
+                        check_runnable, descriptor_template, ensure_cuda_context, error_table, fp32_precision,
+                        is_interpreter, on_current_device, plain_eager, rebase, sm_count, supports_tensor_descriptors,
                         tensor_key)
 from . import _kernels
 from .configs import GemmConfig, active_override, auto_split_k, select_config
@@ -74,10 +74,8 @@ def _check_out_memory(out: torch.Tensor, a, b, bias, residual, mul, scale_a, sca
     if residual is not None and residual.data_ptr() == out.data_ptr() and residual.dtype == out.dtype and (
             residual.shape == out.shape and residual.stride() == out.stride()):
         inputs = {k: v for k, v in inputs.items() if k != "residual"}
-    for name, t in inputs.items():
-        if isinstance(t, torch.Tensor) and may_overlap(out, t):
-            raise ValueError(f"out overlaps {name} in memory; pass an out that shares no memory with the inputs "
-                             "(out=residual itself is allowed)")
+    check_out_memory(out, inputs, "pass an out that shares no memory with the inputs (out=residual itself is "
+                     "allowed)")
 
 
 def _check_args(a, b, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, out_dtype, out,

@@ -435,9 +435,8 @@ if HAVE_GLUON:
         """Quantise one row, z = ``x`` (a token's row as read from its ring slot) * ``smooth``, into row ``row`` of q
         and row_scale, as the Triton kernel's ``_row_scales`` and ``_quantize`` do (the same operations in the same
         order: the same bits). z is held in registers from max|z| to q: the loop runs near the SM's instruction
-        issue limit, and reading the slot back and multiplying again cost more than the registers (H100, E 8,
-        k 2: 0.911-0.916 -> 0.923-0.929 of copy bandwidth at 4096 columns, 0.868-0.875 -> 0.885-0.890 at 8192,
-        the same configs and no spills; benchmarks/NOTES.md)."""
+        issue limit, and reading the slot back and multiplying again cost more than the registers (figures at
+        ``_kernels.SMEM_QUANT_CONFIGS``)."""
         z = x.to(gl.float32) * smooth
         amax = gl.reduce(gl.abs(z), 0, _max_nan)
         scale = gl.where(valid, gl.div_rn(amax, QMAX), float("nan"))
@@ -539,8 +538,7 @@ if HAVE_GLUON:
             _cta_barrier()   # the next token's ids landed (copied by other threads)
             ids_next = _slot_ids(ids_ring.index((it + 1) % (STAGES + 1)), KP)
             # read once for the token's k rows and held as read (16-bit x: half the registers of fp32), converted
-            # per row: 0.884-0.891 -> 0.905-0.908 of copy at 8192 columns (k 2), 0.927-0.930 -> 0.931-0.935 at
-            # 4096, 0.762-0.765 -> 0.776-0.778 at 16384; converting once and holding fp32 measured 0.1-0.3% less
+            # per row (holding it converted measured 0.1-0.3% slower)
             x = ring.index(slot).load(layout)
             for j in gl.static_range(TOPK):
                 valid = smooth_valid

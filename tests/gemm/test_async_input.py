@@ -12,6 +12,7 @@ waiting GEMM occupies), in random order with random delays.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import tilekernels as tk
-from tilekernels.gemm.configs import GemmConfig
+from tilekernels.gemm.configs import GemmConfig, override_config
 from tilekernels.testing import assert_close, poisoned, random_matrix, reference_gemm
 
 gpu = pytest.mark.gpu
@@ -151,6 +152,57 @@ def test_epilogue_and_config(device):
         assert torch.equal(out, plain), f"pivot {pivot}"
 
 
+LOCAL_CONFIGS = {"default": None,
+                 "16x16-tma": GemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=1, use_tma=True)}
+
+
+@pytest.mark.parametrize("config", LOCAL_CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_pivot_rows_read_from_a_local(dtype, config, device):
+    """tk.dist's own shard: the pivot chunk's rows come from ``a_local`` while A's copy of them is NaN,
+    and the result is bit-identical to tk.gemm (pointer loads and TMA descriptors, every pivot; a missed
+    signal of another chunk still times out and skips only that chunk's tiles)."""
+    from tilekernels.gemm.gemm import _async_gemm_into, async_local_fits
+    from tilekernels.gemm.scheduler import DEFAULT_MAX_SPINS_INTERPRETER
+
+    config = LOCAL_CONFIGS[config]
+    rows = 32
+    a_full, b = operands("RR", dtype, device)
+    plain = tk.gemm(a_full, b, config=config)
+    chunks = num_chunks(rows)
+    epoch = torch.ones(1, dtype=torch.int32, device=device)
+    with override_config(config) if config is not None else contextlib.nullcontext():
+        for pivot in range(chunks):
+            own = chunk_rows(pivot, rows, M)
+            a = a_full.clone()
+            a[own] = float("nan")
+            a_local = a_full[own].clone()
+            assert async_local_fits(a, b, a_local, rows)
+            signals = torch.ones(chunks, dtype=torch.int32, device=device)
+            errors = torch.zeros(1 + chunks, dtype=torch.int32, device=device)
+            out = poisoned((M, N), dtype, device)
+            _async_gemm_into(a, b, out, signals, rows, pivot, epoch, DEFAULT_MAX_SPINS_INTERPRETER, errors,
+                             a_local=a_local)
+            assert torch.equal(out, plain), f"pivot {pivot}: differs from tk.gemm"
+            assert not errors.any()
+            # another chunk never arrives: its tiles are skipped, the local ones still computed
+            late = (pivot + 1) % chunks
+            signals[late] = 0
+            out = torch.full((M, N), 777.0, dtype=dtype, device=device)
+            _async_gemm_into(a, b, out, signals, rows, pivot, epoch, 2, errors, a_local=a_local)
+            assert errors[0] == 1 and errors[1 + late] == 1 and errors[1:].sum() == 1
+            lost = chunk_rows(late, rows, M)
+            assert (out[lost] == 777.0).all()
+            kept = torch.ones(M, dtype=torch.bool, device=device)
+            kept[lost] = False
+            assert torch.equal(out[kept], plain[kept]), f"pivot {pivot}: rows of arrived chunks differ"
+    # what does not fit is refused: chunks that are not whole tiles, another stride, another shape
+    a, b = operands("RR", dtype, device)
+    assert not async_local_fits(a, b, a[:24].clone(), 24)
+    assert not async_local_fits(a, b, torch.empty(rows, 2 * K, dtype=dtype, device=device)[:, :K], rows)
+    assert not async_local_fits(a, b, a[:rows - 1].clone(), rows)
+
+
 def test_torch_compile(device):
     a, b = operands("RR", torch.float32, device)
     signals = torch.ones(3, dtype=torch.int32, device=device)
@@ -221,8 +273,8 @@ class ChunkProducer:
         self.rng = random.Random(seed)
         self.keep = []  # pinned epoch words, alive until the copies that read them have run
 
-    def produce(self, a: torch.Tensor, epoch: int, max_delay_s: float = 200e-6) -> None:
-        order = list(range(self.signals.numel()))
+    def produce(self, a: torch.Tensor, epoch: int, max_delay_s: float = 200e-6, skip: int = -1) -> None:
+        order = [c for c in range(self.signals.numel()) if c != skip]
         self.rng.shuffle(order)
         word = torch.full((1,), epoch, dtype=self.signals.dtype, pin_memory=True)
         self.keep.append(word)
@@ -256,6 +308,40 @@ def test_gpu_producer_on_second_stream(m, n, chunks, device):
         torch.cuda.current_stream().wait_stream(producer.stream)
         torch.cuda.synchronize()
         tk.raise_pending_errors()
+        assert torch.equal(out, expected), f"epoch {epoch}: differs from tk.gemm"
+
+
+@gpu
+@pytest.mark.parametrize("m, n", [(4096, 1024), (8192, 3584)], ids=["medium", "large"])
+def test_gpu_pivot_rows_from_a_local(m, n, device):
+    """tk.dist's copy_engine GEMM: the pivot chunk's rows come from a tensor of their own (the rank's
+    shard) while A's copy of them stays NaN and the other chunks arrive from a producer: bit-exact with
+    tk.gemm on the whole A, 20 calls, the pivot moving."""
+    from tilekernels.gemm.gemm import _async_gemm_into, async_local_fits
+
+    k, chunks = 2048, 4
+    rows = m // chunks
+    host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
+    b = random_matrix(k, n, torch.bfloat16, device)
+    expected = tk.gemm(host_a.to(device), b)
+    signals = torch.zeros(chunks, dtype=torch.int32, device=device)
+    errors = torch.zeros(1 + chunks, dtype=torch.int32, device=device)
+    producer = ChunkProducer(host_a, rows, signals, seed=n)
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    for epoch in range(1, 21):
+        pivot = epoch % chunks
+        a_local = host_a[chunk_rows(pivot, rows, m)].to(device)
+        assert async_local_fits(a, b, a_local, rows)
+        a.fill_(float("nan"))
+        signals[pivot] = epoch  # the local chunk: set by tk.dist's begin
+        producer.stream.wait_stream(torch.cuda.current_stream())
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        _async_gemm_into(a, b, out, signals, rows, pivot, torch.full((1,), epoch, dtype=torch.int32, device=device),
+                         1 << 22, errors, a_local=a_local)
+        producer.produce(a, epoch, skip=pivot)
+        torch.cuda.current_stream().wait_stream(producer.stream)
+        torch.cuda.synchronize()
+        assert not errors.any(), f"epoch {epoch}: a wait gave up"
         assert torch.equal(out, expected), f"epoch {epoch}: differs from tk.gemm"
 
 

@@ -143,6 +143,7 @@ def gemm_kernel(
     mul1_ptr, stride_mul1_m, stride_mul1_n,
     res_ptr, stride_res_m, stride_res_n,
     signals, errors, rows_per_chunk, pivot_tile_m, signal_value, max_spins,
+    a_local, local_lo, local_hi,
     trace_events, trace_clock_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -153,7 +154,8 @@ def gemm_kernel(
     HAS_ALPHA: tl.constexpr, HAS_SCALE_A: tl.constexpr, HAS_SCALE_B: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_IS_ROW: tl.constexpr, ACTIVATION: tl.constexpr,
     NUM_MUL: tl.constexpr, HAS_RESIDUAL: tl.constexpr, OUT_IS_INT: tl.constexpr,
-    ASYNC_INPUT: tl.constexpr, SIGNAL_IS_PTR: tl.constexpr, TRACE: tl.constexpr, TRACE_MAX_EVENTS: tl.constexpr,
+    ASYNC_INPUT: tl.constexpr, SIGNAL_IS_PTR: tl.constexpr, HAS_LOCAL_A: tl.constexpr,
+    TRACE: tl.constexpr, TRACE_MAX_EVENTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if SIGNAL_IS_PTR:
@@ -204,13 +206,23 @@ def gemm_kernel(
                 trace_start = trace_clock(trace_clock_ptr)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
         comp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # HAS_LOCAL_A: the rows [local_lo, local_hi) are read from a_local (tk.dist: this rank's own
+        # shard, so it need not first be copied into the gathered buffer). gemm.py guarantees that no
+        # tile straddles local_lo or local_hi and that a_local is row-major with A's strides. The
+        # descriptor (or base pointer) is chosen per tile, so the K loop stays one fusable loop.
+        a_src = a
+        row0 = 0
+        if HAS_LOCAL_A:
+            if (off_m >= local_lo) & (off_m < local_hi):
+                a_src = a_local
+                row0 = local_lo
         if USE_TMA:
             for ki in range(k_tiles):
                 off_k = k_start + ki * BLOCK_K
                 if A_TRANS:
-                    a_tile = a.load([off_k, off_m]).T
+                    a_tile = a_src.load([off_k, off_m - row0]).T
                 else:
-                    a_tile = a.load([off_m, off_k])
+                    a_tile = a_src.load([off_m - row0, off_k])
                 if B_TRANS:
                     b_tile = b.load([off_n, off_k]).T
                 else:
@@ -224,7 +236,7 @@ def gemm_kernel(
             offs_bn = off_n + tl.arange(0, BLOCK_N)
             offs_am = tl.where(offs_am < M, offs_am, 0)
             offs_bn = tl.where(offs_bn < N, offs_bn, 0)
-            a_ptrs = (a + offset_i64(offs_am, stride_am)[:, None]
+            a_ptrs = (a_src + offset_i64(offs_am - row0, stride_am)[:, None]
                       + offset_i64(k_start + offs_k, stride_ak)[None, :])
             b_ptrs = (b + offset_i64(k_start + offs_k, stride_bk)[:, None]
                       + offset_i64(offs_bn, stride_bn)[None, :])

@@ -214,7 +214,8 @@ class _Plan:
     """
 
     __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "c_desc", "res_desc",
-                 "num_programs", "ints", "epilogue_strides", "async_ints", "epilogue_flags", "acc_int", "kernel")
+                 "num_programs", "ints", "epilogue_strides", "async_ints", "epilogue_flags", "acc_int", "kernel",
+                 "local_desc", "local_ints")
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -229,9 +230,15 @@ def _async_key(async_input):
     if async_input is None:
         return None
     signals, rows_per_chunk, pivot_chunk, signal_value = async_input[:4]
+    local = tensor_key(_local_rows(async_input))
     if isinstance(signal_value, torch.Tensor):
-        return tensor_key(signals), rows_per_chunk, pivot_chunk, "device"
-    return tensor_key(signals), rows_per_chunk, pivot_chunk, -2**31 <= signal_value < 2**31
+        return tensor_key(signals), rows_per_chunk, pivot_chunk, "device", local
+    return tensor_key(signals), rows_per_chunk, pivot_chunk, -2**31 <= signal_value < 2**31, local
+
+
+def _local_rows(async_input):
+    """The pivot chunk's rows as a tensor of their own (``_async_gemm_into``'s ``a_local``), or None."""
+    return async_input[6] if async_input is not None and len(async_input) > 6 else None
 
 
 def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input):
@@ -266,6 +273,14 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         (a_base, plan.a_trans), (b_base, plan.b_trans) = a_view, b_view
         plan.a_desc = _descriptor(a_base, (cfg.block_k, cfg.block_m) if plan.a_trans else (cfg.block_m, cfg.block_k))
         plan.b_desc = _descriptor(b_base, (cfg.block_n, cfg.block_k) if plan.b_trans else (cfg.block_k, cfg.block_n))
+    a_local = _local_rows(async_input)
+    plan.local_desc = None
+    if a_local is not None:
+        # async_local_fits has checked: row-major with A's strides, aligned as A, whole tiles.
+        if plan.a_trans or async_input[1] % cfg.block_m:
+            raise ValueError("a_local: the local rows must be row-major and whole tiles of rows (async_local_fits)")
+        if use_tma:
+            plan.local_desc = _descriptor(a_local, (cfg.block_m, cfg.block_k))
 
     heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
     slices, plan.c_desc, plan.res_desc = _epilogue_plan(cfg, use_tma, a, c, residual, heavy_epilogue, split_k)
@@ -281,9 +296,12 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
                              *_bcast_strides(mul[1] if len(mul) > 1 else None, M, N),
                              *_bcast_strides(residual, M, N))
     plan.async_ints = (0, 0)
+    plan.local_ints = (0, 0)
     if async_input is not None:
         rows_per_chunk, pivot_chunk = async_input[1], async_input[2]
         plan.async_ints = (rows_per_chunk, pivot_chunk * rows_per_chunk // cfg.block_m)  # rows per chunk, pivot tile
+        if a_local is not None:
+            plan.local_ints = (pivot_chunk * rows_per_chunk, pivot_chunk * rows_per_chunk + a_local.shape[0])
     plan.acc_int = a.dtype == torch.int8
     plan.epilogue_flags = dict(
         HAS_ALPHA=alpha != 1.0, HAS_SCALE_A=scale_a is not None, HAS_SCALE_B=scale_b is not None,
@@ -298,11 +316,13 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         USE_TMA=use_tma, A_TRANS=plan.a_trans, B_TRANS=plan.b_trans, EVEN_K=K % cfg.block_k == 0,
         ACC_INT=plan.acc_int, FP32_PRECISION=precision,
         COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
-        FLATTEN=flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        # (a descriptor chosen per tile, HAS_LOCAL_A, is not tried in warp-specialised partitions)
+        FLATTEN=flatten, WARP_SPECIALIZE=cfg.warp_specialize and a_local is None,
         EPILOGUE_SLICES=slices, C_DESC=plan.c_desc is not None, RES_DESC=plan.res_desc is not None,
         **plan.epilogue_flags,
         ASYNC_INPUT=async_input is not None,
         SIGNAL_IS_PTR=async_input is not None and isinstance(async_input[3], torch.Tensor),
+        HAS_LOCAL_A=a_local is not None,
         TRACE=trace is not None, TRACE_MAX_EVENTS=trace.max_events if trace is not None else 1,
     )
     plan.kernel = CachedLaunch(_kernels.gemm_kernel, plan.num_programs, constexprs, num_warps=cfg.num_warps,
@@ -402,11 +422,14 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     epilogue_args = (alpha, beta, scale_a, ssa, scale_b, ssb, bias, sbm, sbn, mul0, sm0m, sm0n, mul1, sm1m, sm1n,
                      res_arg, srm, srn)
     if async_input is None:
-        wait_args = (None, None, 0, 0, 0, 0)
+        wait_args = (None, None, 0, 0, 0, 0, None, 0, 0)
     else:
         signals, _, _, signal_value, max_spins = async_input[:5]
         errors = async_input[5] if own_errors else error_table(a.device, signals.numel())
-        wait_args = (signals, errors, *plan.async_ints, signal_value, max_spins)
+        a_local = _local_rows(async_input)
+        if a_local is not None and plan.local_desc is not None:
+            a_local = rebase(plan.local_desc, a_local)
+        wait_args = (signals, errors, *plan.async_ints, signal_value, max_spins, a_local, *plan.local_ints)
     trace_args = (trace.events, trace.clock) if trace is not None else (None, None)
     args = (a_arg, b_arg, c_arg, partials, *plan.ints, *epilogue_args, *wait_args, *trace_args)
     plan.kernel(args, a.device)
@@ -638,14 +661,30 @@ def _gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     _launch(a, b, out, None, None, [], None, 1.0, 1.0, None, None, 1)
 
 
+def async_local_fits(a: torch.Tensor, b: torch.Tensor, a_local: torch.Tensor, rows_per_chunk: int) -> bool:
+    """Whether ``_async_gemm_into`` can read the pivot chunk's rows from ``a_local`` instead of from
+    ``a``: a_local holds exactly one chunk ``[rows_per_chunk, K]`` of A's dtype, both are row-major
+    with the same strides and the same 16-byte alignment, and the launch's row tiles fit whole into a
+    chunk (so no tile reads from both tensors)."""
+    if (a_local.dtype != a.dtype or a_local.device != a.device or a_local.dim() != 2
+            or tuple(a_local.shape) != (rows_per_chunk, a.shape[1]) or a_local.stride() != a.stride()
+            or a.stride(1) != 1 or (a_local.data_ptr() % 16 == 0) != (a.data_ptr() % 16 == 0)):
+        return False
+    cfg = select_config(a.shape[0], b.shape[1], a.shape[1], a.dtype, a.device, True)
+    return rows_per_chunk % cfg.block_m == 0
+
+
 def _async_gemm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, chunk_signals: torch.Tensor,
                      rows_per_chunk: int, pivot_chunk: int, signal_value: torch.Tensor, max_spins: int,
-                     errors: torch.Tensor, trace=None, checked: bool = False) -> None:
+                     errors: torch.Tensor, trace=None, checked: bool = False, a_local=None) -> None:
     """tk.dist's async-input GEMM: ``out = a @ b`` waiting for ``chunk_signals[c] >= signal_value[0]``
     (an int32 device word, read when the kernel runs) and recording timeouts in ``errors`` (the
     caller's table: word 0 any-fail, 1 + c chunk c); ``trace``: see ``_launch``. ``checked``: the
-    caller has validated the operands (as ``_gemm_into``'s callers do)."""
+    caller has validated the operands (as ``_gemm_into``'s callers do). ``a_local``: the pivot
+    chunk's rows, read from there instead of from ``a`` (whose rows there may then hold anything);
+    only where ``async_local_fits`` says so."""
     if not checked:
         _check_args(a, b, None, None, (), None, 1.0, 1.0, None, None, None, out, 1, None)
+    wait = (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins, errors)
     _launch(a, b, out, None, None, [], None, 1.0, 1.0, None, None, 1,
-            (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins, errors), trace)
+            wait if a_local is None else (*wait, a_local), trace)

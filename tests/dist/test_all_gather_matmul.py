@@ -156,7 +156,55 @@ def test_copy_engine_protocol_simulated(world, m, K):
         assert [int(ws.epoch) for ws in spaces] == [call + 1] * world
 
 
-def test_copy_engine_timeout_names_rank():
+@pytest.mark.parametrize("return_a", [False, True])
+def test_copy_engine_reads_own_rows_from_the_shard(return_a):
+    """With whole row tiles per shard (m = 64, the interpreter's tiles are 32 rows) the GEMM reads this
+    rank's rows from the shard itself: its rows of the gathered buffer, NaN here, are neither read nor
+    written, and the gathered A that return_a asks for is assembled from the shard and the peers' rows."""
+    world, m, K, N = 2, 64, 24, 20
+    spaces = Workspace._simulated(world, 1 << 18)
+    b = torch.randn(K, N)
+    for call in range(2):
+        shards = [torch.randn(m, K) for _ in range(world)]
+        for rank, ws in enumerate(spaces):
+            ws.data(rank, (world * m, K), torch.float32)[rank * m:(rank + 1) * m] = float("nan")
+        results = _run_simulated(spaces, shards, [b], return_a=return_a)
+        gathered = torch.cat(shards)
+        for rank, (a, (out,)) in enumerate(results):
+            _assert_matches(out, gathered.double() @ b.double(), f"call {call} rank {rank}", torch.float32)
+            own = spaces[rank].data(rank, (world * m, K), torch.float32)[rank * m:(rank + 1) * m]
+            assert own.isnan().all(), "the own rows were copied into the buffer though the GEMM reads the shard"
+            if return_a:
+                assert torch.equal(a, gathered), f"call {call} rank {rank}: gathered A"
+            else:
+                assert a is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("return_a", [True, False])
+def test_gpu_copy_engine_simulated_on_one_gpu(return_a):
+    """Two ranks simulated on one GPU, each with its own side stream: the copy_engine protocol on real
+    streams (the GEMM reading the own rows from the shard, the gathered A assembled beside it after the
+    one-warp wait), 10 calls with new shards, exact against torch. Runs where no second GPU is."""
+    device = torch.device("cuda")
+    world, m, K, N = 2, 2048, 1024, 768
+    spaces = Workspace._simulated(world, world * m * K * 2, device=device)
+    torch.manual_seed(0)
+    b = torch.randn(K, N, device=device, dtype=torch.bfloat16)
+    for call in range(10):
+        shards = [torch.randn(m, K, device=device, dtype=torch.bfloat16) for _ in range(world)]
+        results = _run_simulated(spaces, shards, [b], return_a)
+        torch.cuda.synchronize()
+        gathered = torch.cat(shards)
+        for rank, (a, (out,)) in enumerate(results):
+            _assert_matches(out, gathered.double() @ b.double(), f"call {call} rank {rank}", torch.bfloat16)
+            assert (a is None) if not return_a else torch.equal(a, gathered), f"call {call} rank {rank}: A"
+    for ws in spaces:
+        ws.check()
+
+
+@pytest.mark.parametrize("return_a", [False, True])  # with return_a the gathered A's assembly also waits
+def test_copy_engine_timeout_names_rank(return_a):
     """Rank 2 of 3 never pushes its shard: the others raise TimeoutError naming rank 2 and its chunk,
     and still compute every row that did arrive."""
     spaces = Workspace._simulated(3, 1 << 16, max_spins=4)
@@ -164,7 +212,7 @@ def test_copy_engine_timeout_names_rank():
     b = torch.randn(K, 8)
     shards = [torch.randn(m, K) for _ in range(3)]
     _run_simulated(spaces, shards, [b])  # one good call first
-    steps = [_copy_engine_steps(shards[r], [b], spaces[r], False) for r in range(2)]
+    steps = [_copy_engine_steps(shards[r], [b], spaces[r], return_a) for r in range(2)]
     for s in steps:
         next(s)
     for rank, s in enumerate(steps):
@@ -203,6 +251,12 @@ def _gpu_cases(rank: int, world: int) -> None:
                 assert torch.equal(a, ref_a), f"{what}: gathered A differs"
                 for out, ref in zip(outs, ref_outs):
                     _assert_matches(out, ref, what, dtype)
+            # without return_a copy_engine reads the own rows from the shard where they are whole tiles
+            # (m = 2048; m = 1000 and 1 take the copy first)
+            a, outs = tkd.all_gather_matmul(a_shard, bs, algorithm="copy_engine", workspace=ws, return_a=False)
+            assert a is None
+            for out, ref in zip(outs, ref_outs):
+                _assert_matches(out, ref, f"rank {rank} copy_engine return_a=False {dtype} m={m}", dtype)
     tkd_errors = ws.check
     torch.cuda.synchronize()
     tkd_errors()

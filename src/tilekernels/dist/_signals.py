@@ -45,3 +45,14 @@ def begin_kernel(flags, errors, rank, world, max_spins, own_signal, EPOCH: tl.co
     for peer in range(world):
         if peer != rank:
             wait_flag(flags, DONE + peer, epoch - 1, errors, max_spins)
+
+
+@triton.jit(do_not_specialize=["first", "count", "skip", "max_spins"])  # one compiled kernel, launched directly
+def wait_words_kernel(flags, errors, first, count, skip, max_spins, EPOCH: tl.constexpr):
+    """One program: wait until ``flags[first + i] >=`` this rank's epoch for every i in ``[0, count)``
+    but ``skip`` (bounded and recorded as in ``wait_flag``), so that what a stream enqueues after it
+    runs only once those words have been written (by peers or copy engines)."""
+    epoch = tl.load(flags + EPOCH, volatile=True)
+    for i in range(count):
+        if i != skip:
+            wait_flag(flags, first + i, epoch, errors, max_spins)

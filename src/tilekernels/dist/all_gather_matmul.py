@@ -35,12 +35,16 @@ copy_engine protocol (one call, epoch e; flag words are in ``workspace.py``)
    buffer (this rank's rows) over NVLink, then p's SIGNALS[rank] := e — a 4-byte copy-engine copy of
    the EPOCH word queued after the data copy on the same stream, so it never lands before the rows,
    and it needs no SM, so the spinning GEMM cannot starve it. The order rank-1, rank-2, ... delivers
-   to each peer first the chunk its pivoted GEMM needs next. Current stream: copy the own shard into
-   the own buffer; its signal was set by ``begin`` (the GEMM follows the copy on the same stream).
+   to each peer first the chunk its pivoted GEMM needs next. The own rows: the GEMM reads them from
+   the shard itself (``a_local``) when they are whole tiles of its launch, and the side stream copies
+   them into the own buffer after the pushes only if ``return_a`` wants the gathered A; otherwise the
+   current stream copies them before the GEMM. Their signal was set by ``begin``.
 3. current stream: the async-input GEMM, pivot = rank, waits ``SIGNALS[c] >= EPOCH`` (the epoch is
    read on the device, so a CUDA-graph replay waits for its own epoch). Several Bs: one GEMM each
    (the later ones find every chunk there).
-4. current stream joins the side stream; with ``return_a`` the gathered A is copied out (before 5:
+4. side stream, with ``return_a``: the gathered A is assembled in a new tensor while the GEMM runs
+   (the own rows from the shard; each peer's rows from the buffer once a one-warp kernel has seen
+   their signal). Then the current stream joins the side stream (so the copies are done before 5:
    after it peers may overwrite the buffer); ``ws.end()``: DONE[rank] := e on every peer.
 A peer that never pushes: the GEMM's wait on its chunk gives up after ``max_spins`` polls, records the
 chunk in the workspace's error table and skips those tiles; ``TimeoutError`` naming the rank and chunk
@@ -55,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from .._runtime import sm_count
-from ..gemm.gemm import _async_gemm_into, gemm
+from ..gemm.gemm import _async_gemm_into, async_local_fits, gemm
 from . import trace as tracing
 from ._common import DTYPES, check_algorithm, check_dim, resolve_group
 from .workspace import SIGNALS, Workspace, default_workspace
@@ -160,8 +164,12 @@ class _CopyEnginePlan:
             peer = (rank - step) % world
             self.pushes.append((ws.data(peer, (world * m, K), dtype)[rank * m:(rank + 1) * m],
                                 ws.flag(peer, SIGNALS + rank)))
+        # the peers' rows of the gathered A: before and after this rank's
+        self.peer_rows = [rows for rows in (slice(0, rank * m), slice((rank + 1) * m, world * m))
+                          if rows.stop > rows.start]
         self.signals = ws.flags[SIGNALS:SIGNALS + world]
         self.errors = ws.errors[SIGNALS:]
+        self.direct: dict[tuple, bool] = {}  # whether the GEMMs read the own rows from the shard, per Bs
         cuda = ws.device.type == "cuda"
         self.begun = torch.cuda.Event() if cuda else None
         self.pushed = torch.cuda.Event() if cuda else None
@@ -180,6 +188,12 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
     ws.chunks_per_rank = 1
     main = torch.cuda.current_stream() if a.is_cuda else None
 
+    # The GEMM reads this rank's rows from the shard itself where they are whole row tiles of its
+    # launch; then the shard is not copied into the own buffer at all (else that copy precedes the GEMM).
+    fit_key = (a.stride(), a.data_ptr() % 16 == 0, *((b.shape[1], b.stride()) for b in bs))
+    direct = plan.direct.get(fit_key)
+    if direct is None:
+        direct = plan.direct[fit_key] = all(async_local_fits(plan.gathered, b, a, m) for b in bs)
     ws.begin(own_signal=SIGNALS + rank)
     if main is not None:
         plan.begun.record(main)
@@ -189,10 +203,9 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
             with tracing.span(f"push to rank {(rank - step) % world}", ws.side_stream):
                 rows.copy_(a)
                 signal.copy_(ws.epoch)
-        if main is not None:
-            plan.pushed.record(ws.side_stream)
-    with tracing.span("own shard copy", main):
-        plan.own_rows.copy_(a)
+    if not direct:
+        with tracing.span("own shard copy", main):
+            plan.own_rows.copy_(a)
     yield None
 
     outs = [a.new_empty((world * m, b.shape[1])) for b in bs]
@@ -200,10 +213,24 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
         with tracing.span(f"GEMM {i}", main):
             device_trace = _gemm_device_trace(f"GEMM {i}", world * m, b.shape[1], a.device)
             _async_gemm_into(plan.gathered, b, out, plan.signals, m, rank, ws.epoch, ws.spins(), plan.errors,
-                             device_trace if device_trace.enabled else None, checked=True)
+                             device_trace if device_trace.enabled else None, checked=True,
+                             a_local=a if direct else None)
+    a_out = None
+    with ws.stream():
+        if need_a:
+            # The gathered A for the caller, assembled on the side stream while the GEMM runs: the own
+            # rows from the shard, each peer's once its signal says they have landed (a one-warp wait
+            # beside the GEMM), so no copy of A is left for after the GEMM.
+            a_out = a.new_empty((world * m, K))
+            with tracing.span("gathered A out", ws.side_stream):
+                a_out[rank * m:(rank + 1) * m].copy_(a)
+                ws.wait_words(SIGNALS, world, skip=rank)
+                for rows in plan.peer_rows:
+                    a_out[rows].copy_(plan.gathered[rows])
+        if main is not None:
+            plan.pushed.record(ws.side_stream)
     if main is not None:
         main.wait_event(plan.pushed)
-    a_out = plan.gathered.clone() if need_a else None
     ws.end()
     if main is None:
         ws.check()  # the interpreter ran everything already: report a timeout at once

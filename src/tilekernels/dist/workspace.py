@@ -126,6 +126,7 @@ class Workspace:
         self._error_words = self.errors.numpy()
         self.chunks_per_rank = 1
         self._begin_launch = None
+        self._wait_launch = None
         self._views: dict[tuple, torch.Tensor] = {}
         self._plans: dict[tuple, object] = {}  # per-algorithm, per-shape views and events
         _runtime.register_error_check(device, weakref.WeakMethod(self.check))
@@ -134,14 +135,18 @@ class Workspace:
     def _simulated(cls, world_size: int, capacity_bytes: int = 1 << 20, device="cpu",
                    max_spins: int | None = None) -> list[Workspace]:
         """``world_size`` workspaces in one process that see each other's buffers, as ranks would:
-        for testing the protocol on CPU under the interpreter. No group, no streams."""
+        for testing the protocol on CPU under the interpreter, or on one GPU (each then has a side
+        stream of its own). No group."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         nbytes = _FLAG_BYTES + capacity_bytes
         buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(world_size)]
         spaces = []
         for rank in range(world_size):
             ws = cls.__new__(cls)
-            ws.group, ws.group_name, ws._handle, ws.side_stream = None, None, None, None
+            side = torch.cuda.Stream(device) if device.type == "cuda" else None
+            ws.group, ws.group_name, ws._handle, ws.side_stream = None, None, None, side
             ws._init(rank, world_size, device, capacity_bytes, buffers, max_spins)
             spaces.append(ws)
         return spaces
@@ -207,6 +212,22 @@ class Workspace:
                 # signature, so later calls go straight to the compiled kernel.
                 self._begin_launch = _runtime.direct_launcher(compiled, self.device.index)
         self.check_if_interpreted()
+
+    def wait_words(self, first: int, count: int, skip: int = -1) -> None:
+        """On the current stream: wait until this rank's flag words ``first .. first + count - 1`` (all
+        but ``first + skip``) reach this call's epoch, bounded (a word that never comes is recorded for
+        ``check``, which the caller runs after ``end``). One program of one warp, beside whatever else the
+        GPU runs."""
+        from ._signals import wait_words_kernel
+
+        args = (self.flags, self.errors, first, count, skip, self.spins())
+        if self._wait_launch is not None:
+            self._wait_launch(1, args + (EPOCH,))
+        else:
+            with _device_guard(self.device):
+                compiled = wait_words_kernel[(1,)](*args, EPOCH=EPOCH, num_warps=1)
+            if self.device.type == "cuda":
+                self._wait_launch = _runtime.direct_launcher(compiled, self.device.index)
 
     def flag(self, rank: int, word: int) -> torch.Tensor:
         """Rank ``rank``'s flag ``word`` as a one-element int32 tensor (views are cached: a call makes

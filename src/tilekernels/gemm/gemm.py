@@ -316,8 +316,11 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         USE_TMA=use_tma, A_TRANS=plan.a_trans, B_TRANS=plan.b_trans, EVEN_K=K % cfg.block_k == 0,
         ACC_INT=plan.acc_int, FP32_PRECISION=precision,
         COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
-        # (a descriptor chosen per tile, HAS_LOCAL_A, is not tried in warp-specialised partitions)
-        FLATTEN=flatten, WARP_SPECIALIZE=cfg.warp_specialize and a_local is None,
+        # A traced launch keeps the loops apart: its clock reads in the fused loop stop triton from
+        # pipelining the K loop at all (sm_90 TTGIR, triton 3.9: no loads issued ahead), and a trace
+        # of a GEMM running ~1.6x slower shows the wrong overlap. Unfused, the K loop pipelines as usual.
+        # (A descriptor chosen per tile, HAS_LOCAL_A, is not tried in warp-specialised partitions.)
+        FLATTEN=flatten and trace is None, WARP_SPECIALIZE=cfg.warp_specialize and a_local is None,
         EPILOGUE_SLICES=slices, C_DESC=plan.c_desc is not None, RES_DESC=plan.res_desc is not None,
         **plan.epilogue_flags,
         ASYNC_INPUT=async_input is not None,

@@ -8,6 +8,7 @@ capture.
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 
@@ -181,11 +182,15 @@ def test_copy_engine_reads_own_rows_from_the_shard(return_a):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["async", "split"])
 @pytest.mark.parametrize("return_a", [True, False])
-def test_gpu_copy_engine_simulated_on_one_gpu(return_a):
+def test_gpu_copy_engine_simulated_on_one_gpu(return_a, split, monkeypatch):
     """Two ranks simulated on one GPU, each with its own side stream: the copy_engine protocol on real
-    streams (the GEMM reading the own rows from the shard, the gathered A assembled beside it after the
-    one-warp wait), 10 calls with new shards, exact against torch. Runs where no second GPU is."""
+    streams (the GEMM reading the own rows from the shard, or one GEMM per shard after a stream-ordered
+    wait; the gathered A assembled beside it after the one-warp wait), 10 calls with new shards, exact
+    against torch. Runs where no second GPU is."""
+    monkeypatch.setattr(importlib.import_module("tilekernels.dist.all_gather_matmul"), "SPLIT_MAX_ROWS",
+                        1 << 30 if split else 0)
     device = torch.device("cuda")
     world, m, K, N = 2, 2048, 1024, 768
     spaces = Workspace._simulated(world, world * m * K * 2, device=device)
@@ -201,6 +206,29 @@ def test_gpu_copy_engine_simulated_on_one_gpu(return_a):
             assert (a is None) if not return_a else torch.equal(a, gathered), f"call {call} rank {rank}: A"
     for ws in spaces:
         ws.check()
+
+
+@pytest.mark.parametrize("world,m", [(2, 40), (3, 64)])
+def test_copy_engine_one_gemm_per_shard(world, m, monkeypatch):
+    """copy_engine's split form (SPLIT_MAX_ROWS): the own shard's GEMM from the shard, each peer's after
+    its signal; the own rows of the buffer (NaN) are never read. Two calls, two Bs, return_a both ways."""
+    agm = importlib.import_module("tilekernels.dist.all_gather_matmul")
+
+    monkeypatch.setattr(agm, "SPLIT_MAX_ROWS", 1 << 30)
+    K, N = 24, 20
+    spaces = Workspace._simulated(world, 1 << 18)
+    b = torch.randn(K, N)
+    for call, return_a in enumerate((True, False)):
+        shards = [torch.randn(m, K) for _ in range(world)]
+        for rank, ws in enumerate(spaces):
+            ws.data(rank, (world * m, K), torch.float32)[rank * m:(rank + 1) * m] = float("nan")
+        results = _run_simulated(spaces, shards, [b, b[:, :9]], return_a=return_a)
+        gathered = torch.cat(shards)
+        for rank, (a, (out, out2)) in enumerate(results):
+            _assert_matches(out, gathered.double() @ b.double(), f"call {call} rank {rank}", torch.float32)
+            _assert_matches(out2, gathered.double() @ b[:, :9].double(), f"call {call} rank {rank} B1",
+                            torch.float32)
+            assert (a is None) if not return_a else torch.equal(a, gathered), f"call {call} rank {rank}: A"
 
 
 @pytest.mark.parametrize("return_a", [False, True])  # with return_a the gathered A's assembly also waits

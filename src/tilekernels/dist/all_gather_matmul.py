@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from .._runtime import sm_count
-from ..gemm.gemm import _async_gemm_into, async_local_fits, gemm
+from ..gemm.gemm import _async_gemm_into, _gemm_into, async_local_fits, gemm
 from . import trace as tracing
 from ._common import DTYPES, check_algorithm, check_dim, resolve_group
 from .workspace import SIGNALS, Workspace, default_workspace
@@ -175,6 +175,11 @@ class _CopyEnginePlan:
         self.pushed = torch.cuda.Event() if cuda else None
 
 
+# copy_engine with a gathered A of at most this many rows runs one plain GEMM per shard, each after a
+# stream-ordered wait for its signal, instead of one async-input GEMM whose programs poll (0: never).
+SPLIT_MAX_ROWS = 0
+
+
 def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
     """The copy_engine protocol (module docstring) as two steps, so that simulated ranks in one process
     can run step 1 on every rank before step 2: ``next()`` begins and pushes; the second ``next()``
@@ -203,13 +208,27 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
             with tracing.span(f"push to rank {(rank - step) % world}", ws.side_stream):
                 rows.copy_(a)
                 signal.copy_(ws.epoch)
-    if not direct:
+    split = world * m <= SPLIT_MAX_ROWS
+    if not direct and not split:
         with tracing.span("own shard copy", main):
             plan.own_rows.copy_(a)
     yield None
 
     outs = [a.new_empty((world * m, b.shape[1])) for b in bs]
-    for i, (b, out) in enumerate(zip(bs, outs)):
+    if split:
+        # One GEMM per shard: the own one at once (from the shard), each peer's after a one-warp
+        # kernel on the stream has seen its signal, in the order the peers push to this rank.
+        for i, (b, out) in enumerate(zip(bs, outs)):
+            with tracing.span(f"GEMM {i}, rows of rank {rank}", main):
+                _gemm_into(a, b, out[rank * m:(rank + 1) * m])
+        for step in range(1, world):
+            peer = (rank + step) % world
+            rows = slice(peer * m, (peer + 1) * m)
+            ws.wait_words(SIGNALS + peer, 1)
+            for i, (b, out) in enumerate(zip(bs, outs)):
+                with tracing.span(f"GEMM {i}, rows of rank {peer}", main):
+                    _gemm_into(plan.gathered[rows], b, out[rows])
+    for i, (b, out) in enumerate(zip(bs, outs) if not split else ()):
         with tracing.span(f"GEMM {i}", main):
             device_trace = _gemm_device_trace(f"GEMM {i}", world * m, b.shape[1], a.device)
             _async_gemm_into(plan.gathered, b, out, plan.signals, m, rank, ws.epoch, ws.spins(), plan.errors,

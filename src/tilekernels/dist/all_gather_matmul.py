@@ -36,12 +36,13 @@ copy_engine protocol (one call, epoch e; flag words are in ``workspace.py``)
    the EPOCH word queued after the data copy on the same stream, so it never lands before the rows,
    and it needs no SM, so the spinning GEMM cannot starve it. The order rank-1, rank-2, ... delivers
    to each peer first the chunk its pivoted GEMM needs next. The own rows: the GEMM reads them from
-   the shard itself (``a_local``) when they are whole tiles of its launch, and the side stream copies
-   them into the own buffer after the pushes only if ``return_a`` wants the gathered A; otherwise the
-   current stream copies them before the GEMM. Their signal was set by ``begin``.
+   the shard itself (``a_local``) when they are whole row tiles of its launch, and nothing copies them
+   into the own buffer; otherwise the current stream copies them there before the GEMM. Their signal
+   was set by ``begin``.
 3. current stream: the async-input GEMM, pivot = rank, waits ``SIGNALS[c] >= EPOCH`` (the epoch is
    read on the device, so a CUDA-graph replay waits for its own epoch). Several Bs: one GEMM each
-   (the later ones find every chunk there).
+   (the later ones find every chunk there). Split form (``SPLIT_MAX_ROWS``): one plain GEMM per shard
+   instead, the own one first, each peer's after a one-warp kernel on the stream has seen its signal.
 4. side stream, with ``return_a``: the gathered A is assembled in a new tensor while the GEMM runs
    (the own rows from the shard; each peer's rows from the buffer once a one-warp kernel has seen
    their signal). Then the current stream joins the side stream (so the copies are done before 5:
@@ -228,12 +229,13 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
             for i, (b, out) in enumerate(zip(bs, outs)):
                 with tracing.span(f"GEMM {i}, rows of rank {peer}", main):
                     _gemm_into(plan.gathered[rows], b, out[rows])
-    for i, (b, out) in enumerate(zip(bs, outs) if not split else ()):
-        with tracing.span(f"GEMM {i}", main):
-            device_trace = _gemm_device_trace(f"GEMM {i}", world * m, b.shape[1], a.device)
-            _async_gemm_into(plan.gathered, b, out, plan.signals, m, rank, ws.epoch, ws.spins(), plan.errors,
-                             device_trace if device_trace.enabled else None, checked=True,
-                             a_local=a if direct else None)
+    else:
+        for i, (b, out) in enumerate(zip(bs, outs)):
+            with tracing.span(f"GEMM {i}", main):
+                device_trace = _gemm_device_trace(f"GEMM {i}", world * m, b.shape[1], a.device)
+                _async_gemm_into(plan.gathered, b, out, plan.signals, m, rank, ws.epoch, ws.spins(),
+                                 plan.errors, device_trace if device_trace.enabled else None, checked=True,
+                                 a_local=a if direct else None)
     a_out = None
     with ws.stream():
         if need_a:

@@ -299,6 +299,20 @@ def test_render_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_render_samples_program_lanes():
+    """A kernel of many programs is drawn as at most max_program_lanes of them, evenly spaced and
+    including the first and the last; stream lanes all stay."""
+    names = {(0, 0): "stream 0", (0, 1): "stream 1"}
+    names.update({(0, 2 + p): f"GEMM 0 program {p}" for p in range(132)})
+    names.update({(1, p): f"GEMM 0 program {p}" for p in range(3)})
+    lanes = sorted(names)
+    kept, dropped = tk_trace._sampled_lanes(lanes, names, 8)
+    programs = [names[lane] for lane in kept if lane[0] == 0 and "program" in names[lane]]
+    assert len(programs) == 8 and programs[0] == "GEMM 0 program 0" and programs[-1] == "GEMM 0 program 131"
+    assert (0, 0) in kept and (0, 1) in kept and all((1, p) in kept for p in range(3))
+    assert dropped == 132 - 8
+
+
 # ----------------------------------------------------------------------------------------------------
 # the bench: parsing and tables
 

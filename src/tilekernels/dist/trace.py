@@ -181,22 +181,46 @@ def merge_chrome_traces(paths: Sequence, out_path) -> pathlib.Path:
     return out_path
 
 
-def render_png(trace_json, png_path, title: str | None = None) -> pathlib.Path:
+def _sampled_lanes(lanes, names: dict, max_program_lanes: int):
+    """``lanes`` with at most ``max_program_lanes`` evenly spaced program lanes per (rank, kernel); the
+    stream lanes all stay."""
+    groups: dict[tuple, list] = {}
+    for lane in lanes:
+        head, _, number = str(names.get(lane, "")).rpartition(" ")
+        if head.endswith("program") and number.isdigit():
+            groups.setdefault((lane[0], head), []).append(lane)
+    dropped = set()
+    for members in groups.values():
+        if len(members) > max_program_lanes:
+            keep = {members[round(i * (len(members) - 1) / (max_program_lanes - 1))]
+                    for i in range(max_program_lanes)} if max_program_lanes > 1 else {members[0]}
+            dropped |= set(members) - keep
+    return [lane for lane in lanes if lane not in dropped], len(dropped)
+
+
+def render_png(trace_json, png_path, title: str | None = None, max_program_lanes: int = 32) -> pathlib.Path:
     """Draw a Chrome trace as a timeline: one lane per (rank, stream/program), bars coloured by span
-    name (fetch/wait/compute fixed, others from a cycle). Needs matplotlib (ImportError otherwise)."""
+    name (fetch/wait/compute fixed, others from a cycle). A kernel with more programs than
+    ``max_program_lanes`` shows that many, evenly spaced (the title says how many were left out).
+    Needs matplotlib (ImportError otherwise)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
     from matplotlib.patches import Patch
 
     trace = read_chrome_trace(trace_json)
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    lanes = sorted({(e["pid"], e["tid"]) for e in spans})
+    all_spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    lanes, dropped = _sampled_lanes(sorted({(e["pid"], e["tid"]) for e in all_spans}), names, max_program_lanes)
+    kept = set(lanes)
+    spans = [e for e in all_spans if (e["pid"], e["tid"]) in kept]
     row_of = {lane: i for i, lane in enumerate(lanes)}
-    cycle = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 8)
+    fixed = set(KIND_COLORS.values())  # a stream span never takes the colour of fetch, wait or compute
+    palette = [to_hex(c) for c in plt.rcParams["axes.prop_cycle"].by_key()["color"]]
+    cycle = iter([c for c in palette if c not in fixed] * 8)
     colors = dict(KIND_COLORS)
     for e in spans:
         if e["name"] not in colors:
@@ -216,7 +240,10 @@ def render_png(trace_json, png_path, title: str | None = None) -> pathlib.Path:
     ax.set_xlabel("us from each rank's origin")
     used = list(dict.fromkeys(e["name"] for e in spans))[:16]
     ax.legend(handles=[Patch(color=colors[n], label=n) for n in used], fontsize=7, loc="upper right")
-    ax.set_title(title or trace.get("otherData", {}).get("title", "tilekernels trace"), fontsize=9)
+    title = title or trace.get("otherData", {}).get("title", "tilekernels trace")
+    if dropped:
+        title += f" ({dropped} program lanes not drawn)"
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     png_path = pathlib.Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)

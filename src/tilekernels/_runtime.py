@@ -514,7 +514,7 @@ def cache_put(cache: dict, key, value, limit: int = 1024):
 # error tables: what a kernel whose bounded wait gave up leaves for the host
 
 
-class _ErrorTable:
+class ErrorTable:
     """int32 words a kernel sets when a wait gives up: word 0 "something failed", word 1 + i "item i
     never arrived". On a GPU the table is pinned host memory, mapped into the device's address space:
     the kernel writes it only on failure, and the host reads it at any time without synchronising."""
@@ -526,7 +526,7 @@ class _ErrorTable:
 
 # (device type, index) -> tables, newest last. An outgrown table is kept: a captured CUDA graph may
 # still write it.
-_ERROR_TABLES: dict[tuple, list[_ErrorTable]] = {}
+_ERROR_TABLES: dict[tuple, list[ErrorTable]] = {}
 
 
 def _device_key(device: torch.device) -> tuple:
@@ -538,7 +538,7 @@ def error_table(device: torch.device, items: int) -> torch.Tensor:
     """The error table a kernel on ``device`` writes when a wait on one of ``items`` things gives up."""
     tables = _ERROR_TABLES.setdefault(_device_key(device), [])
     if not tables or tables[-1].words.size < 1 + items:
-        tables.append(_ErrorTable(device, max(1 + items, 1024)))
+        tables.append(ErrorTable(device, max(1 + items, 1024)))
     return tables[-1].tensor
 
 

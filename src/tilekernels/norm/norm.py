@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import triton
 
-from .._runtime import (CachedLaunch, ClusterLaunch, _ErrorTable, cache_put, cdiv, check_runnable, on_current_device,
+from .._runtime import (CachedLaunch, ClusterLaunch, ErrorTable, cache_put, cdiv, check_runnable, on_current_device,
                         plain_eager, register_error_check, sm_count, tensor_key)
 from . import _gluon
 from . import _kernels as kern
@@ -186,7 +186,7 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
 
 
 class _ExchangeErrors:
-    """The cluster backward's error words, per device (an ``_runtime._ErrorTable`` of two words): word 0 is set, and
+    """The cluster backward's error words, per device (an ``_runtime.ErrorTable`` of two words): word 0 is set, and
     word 1 holds a row, when a program stopped waiting for a cluster partner's row sums
     (``_gluon._row_backward_smem``). Partners in a cluster run together, so that means a bug; the row's dx
     is then wrong, and ``check`` (at the next backward on the device, and in ``tk.raise_pending_errors``)
@@ -198,7 +198,7 @@ class _ExchangeErrors:
     def table(self, device: torch.device) -> torch.Tensor:
         key = (device.type, device.index)
         if key not in self.tables:
-            self.tables[key] = _ErrorTable(device, 2)
+            self.tables[key] = ErrorTable(device, 2)
             register_error_check(device, weakref.WeakMethod(self.check))
         return self.tables[key].tensor
 

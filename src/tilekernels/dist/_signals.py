@@ -1,8 +1,9 @@
 """Device side of tk.dist's flags: bounded waits on epoch words and the per-call begin step.
 
 Every flag is an int32 word in a rank's symmetric flag area (``workspace.py`` has the map) holding an
-epoch: the value of the call that last set it. A wait is "word >= epoch", polled with a scalar acquire
-atomic at system scope (the writer may be another GPU or a copy engine) and a nanosleep between polls;
+epoch: the value of the call that last set it. A wait is "word >= epoch": a scalar acquire atomic at
+system scope (the writer may be another GPU or a copy engine); while the word is short, volatile loads
+with a nanosleep between them, and the acquire atomic again once one sees it;
 after ``max_spins`` polls it gives up and records the word in the workspace's error table
 (``errors[1 + word]`` and ``errors[0]``), so the host can say which rank never arrived.
 """
@@ -21,10 +22,12 @@ def wait_flag(flags, word, epoch, errors, max_spins):
     if seen < epoch:
         gave_up = tl.load(errors + 1 + word, volatile=True) != 0
         spins = tl.where(gave_up, max_spins, 0)
+        # volatile polls, one acquire at the end (as ``scheduler.wait_chunk``, which says why)
         while (seen < epoch) & (spins < max_spins):
             _sleep()
-            seen = _poll(flags + word)
+            seen = tl.load(flags + word, volatile=True).to(tl.int64)
             spins += 1
+        seen = _poll(flags + word)
         if seen < epoch:
             tl.store(errors + 1 + word, 1)
             tl.store(errors, 1)

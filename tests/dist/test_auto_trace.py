@@ -387,6 +387,13 @@ def test_results_md_uses_the_dist_tables(tmp_path):
     text = results.write_results_md(results_dir).read_text()
     assert "## all_gather_matmul — nvidia-h200" in text
     assert "speedup vs nccl+cublas" in text and "| 8192x3584x8192 | 0.700 | failed |" in text
+    traces = results_dir / "nvidia-h200" / "traces"
+    traces.mkdir()
+    (traces / "ag-8192x3584.png").write_bytes(b"\x89PNG")
+    (traces / "ag-8192x3584.txt").write_text("copy_engine, 2 ranks: the pushes end before the GEMM needs them.\n")
+    text = results.write_results_md(results_dir).read_text()
+    assert ("## tk.dist timelines — nvidia-h200\n\ncopy_engine, 2 ranks: the pushes end before the GEMM needs them."
+            "\n\n![ag-8192x3584](results/nvidia-h200/traces/ag-8192x3584.png)") in text
 
 
 # ----------------------------------------------------------------------------------------------------

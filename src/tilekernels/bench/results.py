@@ -118,6 +118,17 @@ def _sweep_block(rows: Sequence[dict], top: int = 3) -> str:
     return format_table(["shape", "rank", "config", "TFLOP/s", "ours/baseline"], body, markdown=True, left=3)
 
 
+def _traces_block(results_dir: pathlib.Path, device_dir: pathlib.Path, pngs: Sequence[pathlib.Path]) -> str:
+    """Timelines of traced tk.dist calls (``bench --trace`` PNGs copied into ``<device>/traces/``), each with
+    the caption in the ``.txt`` beside it."""
+    parts = [f"## tk.dist timelines — {device_dir.name}"]
+    for png in pngs:
+        caption = png.with_suffix(".txt")
+        text = caption.read_text().strip() if caption.exists() else png.stem
+        parts.append(f"{text}\n\n![{png.stem}]({png.relative_to(results_dir.parent).as_posix()})")
+    return "\n\n".join(parts)
+
+
 def render(results_dir: pathlib.Path) -> str:
     sections = []
     for device_dir in sorted(p for p in results_dir.glob("*") if p.is_dir()):
@@ -147,6 +158,9 @@ def render(results_dir: pathlib.Path) -> str:
                 parts.append("Latest launch-config sweep: " + _environment_line(sweep_rows))
                 parts.append(_sweep_block(sweep_rows))
             sections.append("\n\n".join(parts))
+        traces = sorted((device_dir / "traces").glob("*.png"))
+        if traces:
+            sections.append(_traces_block(results_dir, device_dir, traces))
         model = device_dir / "costmodel.json"  # tk.dist predictions for world sizes not measured
         if model.exists():
             from . import costmodel

@@ -167,6 +167,9 @@ def add_arguments(parser) -> None:
                         help="GPU sleep before each timed call, so the host enqueues ahead (default 1000)")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="process-group timeout: how long a rank waits on a stuck peer (default 600)")
+    parser.add_argument("--split-max-rows", type=int,
+                        help="all_gather_matmul: copy_engine's SPLIT_MAX_ROWS for this run (one GEMM per shard "
+                             "up to this many gathered rows; default: the library's)")
     parser.add_argument("--workspace-mib", type=int,
                         help="pass one tk.dist.Workspace of this many MiB to every tk call (default: the "
                              "ops' own per-group workspace)")
@@ -844,7 +847,8 @@ def _defaults(opts: argparse.Namespace) -> argparse.Namespace:
     for key, value in (("warmup", DEFAULT_WARMUP_MS), ("rep", DEFAULT_REP_MS), ("sleep_us", 1000.0),
                        ("timeout_s", 600.0), ("seed", 0), ("dtype", torch.bfloat16), ("shapes", None),
                        ("providers", None), ("algorithms", None), ("trace", False), ("out", None),
-                       ("results_dir", None), ("no_record", False), ("workspace_mib", None)):
+                       ("results_dir", None), ("no_record", False), ("workspace_mib", None),
+                       ("split_max_rows", None)):
         if getattr(opts, key, None) is None:
             setattr(opts, key, value)
     return opts
@@ -860,6 +864,10 @@ def bench_in_group(op: str, opts: argparse.Namespace) -> int:
     run = Run(op, device, "bench")
     ctx = Context(op, rank, world, device, group, group.group_name, opts, run,
                   flag=torch.zeros(1, device=device))
+    if opts.split_max_rows is not None:
+        import importlib
+
+        importlib.import_module("tilekernels.dist.all_gather_matmul").SPLIT_MAX_ROWS = opts.split_max_rows
     shapes = parse_shapes(opts.shapes or ",".join(GPU_SHAPES if on_gpu else CPU_SHAPES))
     algorithms = parse_algorithms(opts.algorithms, on_gpu)
     providers = (_all_gather_providers if op == ALL_GATHER else _reduce_scatter_providers)(ctx, algorithms)
@@ -868,6 +876,8 @@ def bench_in_group(op: str, opts: argparse.Namespace) -> int:
         providers = [p for p in providers if p.name in wanted or (p.algorithm and p.algorithm in wanted)]
     env = run.env
     ctx.echo(f"tilekernels bench {op} on {world} x {env['gpu']} ({dist.get_backend()}) — {run.date}")
+    if opts.split_max_rows is not None:
+        ctx.echo(f"copy_engine: one GEMM per shard up to {opts.split_max_rows} gathered rows (--split-max-rows)")
     ctx.echo(f"torch {env['torch']} · triton {env['triton']} · tilekernels {env['tilekernels']}"
              f"{' · commit ' + env['commit'] if env['commit'] else ''} · run {run.run_id}")
     if on_gpu:

@@ -22,9 +22,10 @@ once ``chunk_signals[c] >= signal_value``. The protocol, as the kernel runs it:
   engine may be the producer) — triton runs a scalar atomic in one thread and broadcasts the value
   through shared memory behind a CTA barrier, so the other threads' loads of A come after the acquire.
   If the chunk is not there yet, the program polls with volatile loads, sleeping (``nanosleep``)
-  between polls, and once one sees the signal, reads it again with the acquire atomic. The producer writes the rows, then the signal with
-  release semantics on its stream after the copy: ``stream_write_value32``, or a copy-engine copy of the
-  epoch (the tests and the example) — neither needs an SM, which the waiting programs occupy.
+  between polls, and once one sees the signal, reads it again with the acquire atomic. The producer
+  writes the rows, then the signal with release semantics on its stream after the copy:
+  ``stream_write_value32``, or a copy-engine copy of the epoch (the tests and the example) — neither
+  needs an SM, which the waiting programs occupy.
 - Signals are epochs: ready means ``>= signal_value``, so a caller bumps ``signal_value`` each call
   and never zeroes the signals or barriers between calls.
 - Bounded: after ``max_spins`` polls the chunk is recorded in the error table (``_runtime``), the tile

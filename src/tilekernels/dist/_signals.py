@@ -11,30 +11,18 @@ after ``max_spins`` polls it gives up and records the word in the workspace's er
 import triton
 import triton.language as tl
 
-from ..gemm.scheduler import _poll, _sleep
+from ..gemm.scheduler import wait_chunk
 
 
 @triton.jit
 def wait_flag(flags, word, epoch, errors, max_spins):
     """Wait until ``flags[word] >= epoch``; True if it came, False after ``max_spins`` polls (recorded),
-    or at once if an earlier wait already gave up on this word (as ``scheduler.wait_chunk`` does)."""
-    seen = _poll(flags + word)
-    if seen < epoch:
-        gave_up = tl.load(errors + 1 + word, volatile=True) != 0
-        spins = tl.where(gave_up, max_spins, 0)
-        # volatile polls, one acquire at the end (as ``scheduler.wait_chunk``, which says why)
-        while (seen < epoch) & (spins < max_spins):
-            _sleep()
-            seen = tl.load(flags + word, volatile=True).to(tl.int64)
-            spins += 1
-        seen = _poll(flags + word)
-        if seen < epoch:
-            tl.store(errors + 1 + word, 1)
-            tl.store(errors, 1)
-    return seen >= epoch
+    or at once if an earlier wait already gave up on this word: the async-input GEMM's chunk wait
+    (``scheduler.wait_chunk``), with the flag words as its chunks."""
+    return wait_chunk(flags, errors, word, epoch, max_spins)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "world", "max_spins", "own_signal"])  # launched directly (Workspace)
 def begin_kernel(flags, errors, rank, world, max_spins, own_signal, EPOCH: tl.constexpr, DONE: tl.constexpr):
     """One program: advance this rank's epoch to e, then wait until every peer has finished call e - 1
     (``flags[DONE + peer] >= e - 1``, written by the peer's ``end``): after that no peer still reads
@@ -50,7 +38,7 @@ def begin_kernel(flags, errors, rank, world, max_spins, own_signal, EPOCH: tl.co
             wait_flag(flags, DONE + peer, epoch - 1, errors, max_spins)
 
 
-@triton.jit(do_not_specialize=["first", "count", "skip", "max_spins"])  # one compiled kernel, launched directly
+@triton.jit(do_not_specialize=["first", "count", "skip", "max_spins"])  # launched directly (Workspace)
 def wait_words_kernel(flags, errors, first, count, skip, max_spins, EPOCH: tl.constexpr):
     """One program: wait until ``flags[first + i] >=`` this rank's epoch for every i in ``[0, count)``
     but ``skip`` (bounded and recorded as in ``wait_flag``), so that what a stream enqueues after it

@@ -125,8 +125,7 @@ class Workspace:
         self.errors = torch.zeros(1 + FLAG_WORDS, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._error_words = self.errors.numpy()
         self.chunks_per_rank = 1
-        self._begin_launch = None
-        self._wait_launch = None
+        self._launches: dict = {}  # one-program kernel -> its direct launcher (``_one_program``)
         self._views: dict[tuple, torch.Tensor] = {}
         self._plans: dict[tuple, object] = {}  # per-algorithm, per-shape views and events
         _runtime.register_error_check(device, weakref.WeakMethod(self.check))
@@ -202,32 +201,30 @@ class Workspace:
         from ._signals import begin_kernel
 
         args = (self.flags, self.errors, self.rank, self.world_size, self.spins(), own_signal)
-        if self._begin_launch is not None:
-            self._begin_launch(1, args + (EPOCH, DONE))
-        else:
-            with _device_guard(self.device):
-                compiled = begin_kernel[(1,)](*args, EPOCH=EPOCH, DONE=DONE, num_warps=1)
-            if self.device.type == "cuda":
-                # A Triton launch re-binds its arguments (~30 us of host time); this one never changes
-                # signature, so later calls go straight to the compiled kernel.
-                self._begin_launch = _runtime.direct_launcher(compiled, self.device.index)
+        self._one_program(begin_kernel, args, dict(EPOCH=EPOCH, DONE=DONE))
         self.check_if_interpreted()
 
     def wait_words(self, first: int, count: int, skip: int = -1) -> None:
         """On the current stream: wait until this rank's flag words ``first .. first + count - 1`` (all
         but ``first + skip``) reach this call's epoch, bounded (a word that never comes is recorded for
-        ``check``, which the caller runs after ``end``). One program of one warp, beside whatever else the
-        GPU runs."""
+        ``check``, which the caller runs after ``end``). One program of one warp."""
         from ._signals import wait_words_kernel
 
-        args = (self.flags, self.errors, first, count, skip, self.spins())
-        if self._wait_launch is not None:
-            self._wait_launch(1, args + (EPOCH,))
-        else:
-            with _device_guard(self.device):
-                compiled = wait_words_kernel[(1,)](*args, EPOCH=EPOCH, num_warps=1)
-            if self.device.type == "cuda":
-                self._wait_launch = _runtime.direct_launcher(compiled, self.device.index)
+        self._one_program(wait_words_kernel, (self.flags, self.errors, first, count, skip, self.spins()),
+                          dict(EPOCH=EPOCH))
+
+    def _one_program(self, kernel, args: tuple, constexprs: dict) -> None:
+        """Launch one program of one warp of ``kernel`` on the current stream. A Triton launch re-binds its
+        arguments (~30 us of host time); these kernels keep one signature per workspace, so after the first
+        call they go straight to the compiled kernel (their integer arguments are not specialised on)."""
+        launch = self._launches.get(kernel)
+        if launch is not None:
+            launch(1, args + tuple(constexprs.values()))
+            return
+        with _device_guard(self.device):
+            compiled = kernel[(1,)](*args, **constexprs, num_warps=1)
+        if self.device.type == "cuda":
+            self._launches[kernel] = _runtime.direct_launcher(compiled, self.device.index)
 
     def flag(self, rank: int, word: int) -> torch.Tensor:
         """Rank ``rank``'s flag ``word`` as a one-element int32 tensor (views are cached: a call makes

@@ -196,8 +196,9 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
 
     # The GEMM reads this rank's rows from the shard itself where they are whole row tiles of its
     # launch; then the shard is not copied into the own buffer at all (else that copy precedes the GEMM).
+    split = world * m <= SPLIT_MAX_ROWS
     fit_key = (a.stride(), a.data_ptr() % 16 == 0, *((b.shape[1], b.stride()) for b in bs))
-    direct = plan.direct.get(fit_key)
+    direct = split or plan.direct.get(fit_key)
     if direct is None:
         direct = plan.direct[fit_key] = all(async_local_fits(plan.gathered, b, a, m) for b in bs)
     ws.begin(own_signal=SIGNALS + rank)
@@ -209,8 +210,7 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
             with tracing.span(f"push to rank {(rank - step) % world}", ws.side_stream):
                 rows.copy_(a)
                 signal.copy_(ws.epoch)
-    split = world * m <= SPLIT_MAX_ROWS
-    if not direct and not split:
+    if not direct:  # (the split form's own GEMM reads the shard)
         with tracing.span("own shard copy", main):
             plan.own_rows.copy_(a)
     yield None
@@ -239,9 +239,10 @@ def _copy_engine_steps(a: torch.Tensor, bs, ws: Workspace, need_a: bool):
     a_out = None
     with ws.stream():
         if need_a:
-            # The gathered A for the caller, assembled on the side stream while the GEMM runs: the own
-            # rows from the shard, each peer's once its signal says they have landed (a one-warp wait
-            # beside the GEMM), so no copy of A is left for after the GEMM.
+            # The gathered A for the caller, assembled on the side stream: the own rows from the shard at
+            # once (copy engine), each peer's once a one-warp kernel has seen its signal. That kernel may
+            # get an SM only when the GEMM's programs drain (benchmarks/NOTES.md, thirty-third session);
+            # then only the peers' rows are copied after the GEMM, where all of A was before.
             a_out = a.new_empty((world * m, K))
             with tracing.span("gathered A out", ws.side_stream):
                 a_out[rank * m:(rank + 1) * m].copy_(a)

@@ -774,6 +774,19 @@ def test_gpu_large(layout, dtype, M, N, K, device):
 
 
 @gpu
+@pytest.mark.parametrize("M, N, K", [(4096, 4096, 1024), (4100, 4104, 1000)])
+def test_gpu_large_tile_heavy_epilogue(M, N, K, device):
+    # The large tile with bias + gelu + residual runs at 3 stages so that C and the residual go through
+    # TMA (_stages_for_epilogue); edges and a K tail included, and the output poisoned first.
+    a, b = operands(M, N, K, torch.bfloat16, "RR", device)
+    epilogue = {"bias": random_tensor((N,), torch.bfloat16, device), "activation": "gelu",
+                "residual": random_tensor((M, N), torch.bfloat16, device)}
+    out = poisoned((M, N), torch.bfloat16, device)
+    tk.gemm(a, b, out=out, **epilogue)
+    check(f"heavy-{M}x{N}x{K}", out, a, b, **epilogue)
+
+
+@gpu
 def test_gpu_large_tile_fp32_out(device):
     # The 128x256 tile's fp32 C does not fit the TMA epilogue's staging, so the pointer epilogue runs;
     # its layout change needs shared memory beside the operand pipeline if the tile and K loops were
@@ -796,6 +809,23 @@ def test_flatten_only_where_shared_memory_allows():
     assert not _can_flatten(large, a, 4, tma_epilogue=True, heavy=True)  # measured slower fused
     with override_config(large):
         assert _can_flatten(large, a, 4, tma_epilogue=True, heavy=True)  # the caller's choice
+
+
+def test_heavy_epilogue_gives_up_a_stage_for_the_tma_epilogue():
+    from tilekernels.gemm.gemm import _stages_for_epilogue
+
+    large = TUNED_HOPPER_16BIT["large"]  # 4 stages: no room for the staging of C and a residual
+    a = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    c, res = torch.empty_like(a), torch.empty_like(a)
+    assert _stages_for_epilogue(large, True, a, c, res, True, 1).num_stages == 3
+    assert _stages_for_epilogue(large, True, a, c, None, True, 1) is large  # C's staging alone fits
+    assert _stages_for_epilogue(large, True, a, c, res.t(), True, 1) is large  # a residual TMA cannot read
+    assert _stages_for_epilogue(large, True, a, c, res, True, 2) is large  # split-K: no TMA epilogue
+    assert _stages_for_epilogue(large, False, a, c, res, True, 1) is large  # pointer operands
+    three = dataclasses.replace(large, num_stages=3)
+    assert _stages_for_epilogue(three, True, a, c, res, True, 1) is three
+    with override_config(large):
+        assert _stages_for_epilogue(large, True, a, c, res, True, 1) is large  # the caller's choice
 
 
 @gpu

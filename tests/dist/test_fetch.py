@@ -185,3 +185,24 @@ def test_flag_groups_fit_the_workspace():
     cfg = FetchConfig(block_m=16, block_k=16, k_blocks_per_flag=1)
     assert _flag_groups(cfg, 2, 16 * 1000, 16 * 100) == 4  # 2000 m-tiles x 25 k-groups
     assert _flag_groups(cfg, 2, 20, 40) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout, dtype", [("k", "bf16"), ("m", "fp16"), ("k", "fp32")])
+def test_gpu_simulated_on_one_gpu(layout, dtype):
+    """Three ranks simulated on one GPU with the GPU's wait bound: a launch's fetchers and GEMM programs run
+    at once, so the GEMM programs really wait for their staged tiles (the interpreter's lockstep never
+    does). Three calls with new inputs, edges in every dimension, outputs poisoned, no wait gave up. Covers
+    the fetch kernel's waits on a GPU where no second GPU is."""
+    world, device = 3, torch.device("cuda")
+    spaces = Workspace._simulated(world, 1 << 22, device=device)
+    for call in range(3):
+        shards, bs = make_call(world, DTYPES[dtype], device, m=300, k=520, ns=(384, 72))
+        results = run_call(spaces, shards, bs, layout=layout)
+        torch.cuda.synchronize()
+        for ws in spaces:
+            ws.check()  # raises TimeoutError if a wait gave up (GPU waits report here, not in the call)
+        for rank, (outs, gathered, error) in results.items():
+            assert error is None, f"call {call} rank {rank}: {error}"
+            check_rank(rank, shards, bs, outs, gathered)
+        assert [int(ws.flags[EPOCH]) for ws in spaces] == [call + 1] * world

@@ -217,6 +217,30 @@ def test_simulated_missing_partial_times_out(algorithm):
     assert spaces[0].flags[PARTIAL + 1] == 1 and spaces[0].flags[PARTIAL + 2] == 2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["copy_engine", "fetch"])
+def test_gpu_simulated_on_one_gpu(algorithm):
+    """Two ranks simulated on one GPU, each pushing on a side stream of its own while the other's
+    reduction kernel waits for its partial: the protocol's waits on a GPU where no second GPU is. Three
+    calls (dims, shapes and reduce ops change), slots poisoned first, no wait gave up."""
+    world, dtype = 2, torch.bfloat16
+    spaces = Workspace._simulated(world, 1 << 26, device="cuda")
+    _poison(spaces)
+    calls = [((world * 1000, 512), 1536, 0, "sum"), ((3, 700, 256), 600, -1, "avg"),
+             ((2, world * 300, 384), 520, 1, "sum")]
+    for call, (a_shape, n, scatter_dim, reduce_op) in enumerate(calls):
+        a_all, b_all = _inputs(world, a_shape, n, dtype, seed=call)
+        outs = _simulated_call(spaces, [a.cuda() for a in a_all], [b.cuda() for b in b_all], scatter_dim, reduce_op,
+                               algorithm == "copy_engine")
+        torch.cuda.synchronize()
+        for ws in spaces:
+            ws.check()  # raises TimeoutError if a wait gave up (GPU waits report here)
+        for rank, out in enumerate(outs):
+            assert isinstance(out, torch.Tensor), f"call {call} rank {rank}: {out}"
+            ref, torch_out = reference(a_all, b_all, scatter_dim, reduce_op, rank, world, dtype)
+            assert_close(f"call {call} rank {rank}", out.cpu(), ref, torch_out)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 def test_reduce_kernel_adds_in_fp32_and_rounds_once(reduce_op, dtype):

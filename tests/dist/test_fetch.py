@@ -6,7 +6,8 @@ publishes (begin, own shard into its data area, READY to every peer), then every
 fused launches, end). Inside a launch the fetchers have the lowest program ids and run first.
 Shapes are odd on purpose: m is not a multiple of BLOCK_M (16 here), K not a multiple of BLOCK_K nor
 of the k-group (2 x 16), N not a multiple of BLOCK_N. Outputs and the returned A start as NaN.
-GPU lane (two processes over NVLink): left to ``all_gather_matmul``'s tests.
+GPU lane: ``test_gpu_simulated_on_one_gpu`` (ranks simulated on one GPU, waits at the GPU's bound); two
+processes over NVLink: ``all_gather_matmul``'s multigpu tests.
 """
 
 from __future__ import annotations

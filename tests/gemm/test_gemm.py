@@ -777,7 +777,7 @@ def test_gpu_large(layout, dtype, M, N, K, device):
 @pytest.mark.parametrize("M, N, K", [(4096, 4096, 1024), (4100, 4104, 1000)])
 def test_gpu_large_tile_heavy_epilogue(M, N, K, device):
     # The large tile with bias + gelu + residual runs at 3 stages so that C and the residual go through
-    # TMA (_stages_for_epilogue); edges and a K tail included, and the output poisoned first.
+    # TMA (gemm._epilogue_config); edges and a K tail included, and the output poisoned first.
     a, b = operands(M, N, K, torch.bfloat16, "RR", device)
     epilogue = {"bias": random_tensor((N,), torch.bfloat16, device), "activation": "gelu",
                 "residual": random_tensor((M, N), torch.bfloat16, device)}
@@ -812,20 +812,24 @@ def test_flatten_only_where_shared_memory_allows():
 
 
 def test_heavy_epilogue_gives_up_a_stage_for_the_tma_epilogue():
-    from tilekernels.gemm.gemm import _stages_for_epilogue
+    from tilekernels.gemm.gemm import _epilogue_config
+
+    def config(cfg, use_tma, c, res, split_k):
+        return _epilogue_config(cfg, use_tma, a, c, res, True, split_k)
 
     large = TUNED_HOPPER_16BIT["large"]  # 4 stages: no room for the staging of C and a residual
     a = torch.empty(4096, 4096, dtype=torch.bfloat16)
     c, res = torch.empty_like(a), torch.empty_like(a)
-    assert _stages_for_epilogue(large, True, a, c, res, True, 1).num_stages == 3
-    assert _stages_for_epilogue(large, True, a, c, None, True, 1) is large  # C's staging alone fits
-    assert _stages_for_epilogue(large, True, a, c, res.t(), True, 1) is large  # a residual TMA cannot read
-    assert _stages_for_epilogue(large, True, a, c, res, True, 2) is large  # split-K: no TMA epilogue
-    assert _stages_for_epilogue(large, False, a, c, res, True, 1) is large  # pointer operands
+    cfg, _, c_desc, res_desc = config(large, True, c, res, 1)
+    assert cfg.num_stages == 3 and c_desc is not None and res_desc is not None
+    assert config(large, True, c, None, 1)[0] is large  # C's staging alone fits
+    assert config(large, True, c, res.t(), 1)[0] is large  # a residual TMA cannot read
+    assert config(large, True, c, res, 2)[0] is large  # split-K: no TMA epilogue
+    assert config(large, False, c, res, 1)[0] is large  # pointer operands
     three = dataclasses.replace(large, num_stages=3)
-    assert _stages_for_epilogue(three, True, a, c, res, True, 1) is three
+    assert config(three, True, c, res, 1)[0] is three
     with override_config(large):
-        assert _stages_for_epilogue(large, True, a, c, res, True, 1) is large  # the caller's choice
+        assert config(large, True, c, res, 1)[0] is large  # the caller's choice
 
 
 @gpu

@@ -284,8 +284,8 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
             plan.local_desc = _descriptor(a_local, (cfg.block_m, cfg.block_k))
 
     heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
-    cfg = plan.cfg = _stages_for_epilogue(cfg, use_tma, a, c, residual, heavy_epilogue, split_k)
-    slices, plan.c_desc, plan.res_desc = _epilogue_plan(cfg, use_tma, a, c, residual, heavy_epilogue, split_k)
+    cfg, slices, plan.c_desc, plan.res_desc = _epilogue_config(cfg, use_tma, a, c, residual, heavy_epilogue, split_k)
+    plan.cfg = cfg
     flatten = cfg.flatten and _can_flatten(cfg, a, slices, plan.c_desc is not None, heavy_epilogue)
 
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
@@ -354,23 +354,25 @@ def _can_flatten(cfg: GemmConfig, a: torch.Tensor, slices: int, tma_epilogue: bo
     return True
 
 
-def _stages_for_epilogue(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Tensor, residual, heavy: bool,
-                         split_k: int) -> GemmConfig:
-    """The table's config, or the same with one operand stage fewer where only that lets a heavy epilogue
-    with a full residual read the residual and write C through TMA (``_epilogue_plan``): the large 128x256
-    tile at 4 stages leaves too little shared memory for the staging buffers, and the pointer epilogue
-    runs instead. Measured on the H100 (bf16, bias + gelu + residual, the loops apart; two processes of 3
-    interleaved rounds): 3 stages with the TMA epilogue against 4 with the pointer one, 1.01-1.04x at
-    4096^3, 16384x3584x8192, 8192x14336x8192 and 8192x8192x28672, 1.00-1.02x at 8192^3 (benchmarks/NOTES.md,
-    thirty-fourth session). Never below 3 stages; a config the caller forces is taken as it is.
+def _epilogue_config(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Tensor, residual, heavy: bool,
+                     split_k: int):
+    """(config, slices, C's descriptor, the residual's descriptor): ``_epilogue_plan`` for the table's
+    config, or for the same with one operand stage fewer where only that lets a heavy epilogue with a full
+    residual read the residual and write C through TMA: the large 128x256 tile at 4 stages leaves too
+    little shared memory for the staging buffers, and the pointer epilogue runs instead. Measured on the
+    H100 (bf16, bias + gelu + residual, the loops apart; two processes of 3 interleaved rounds): 3 stages
+    with the TMA epilogue against 4 with the pointer one, 1.01-1.04x at 4096^3, 16384x3584x8192,
+    8192x14336x8192 and 8192x8192x28672, 1.00-1.02x at 8192^3 (benchmarks/NOTES.md, thirty-fourth
+    session). Never below 3 stages; a config the caller forces is taken as it is.
     """
-    if not heavy or residual is None or cfg.num_stages <= 3 or active_override() is not None:
-        return cfg
-    if _epilogue_plan(cfg, use_tma, a, c, residual, heavy, split_k)[1] is not None:
-        return cfg  # the TMA epilogue fits as it is
-    fewer = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
-    _, c_desc, res_desc = _epilogue_plan(fewer, use_tma, a, c, residual, heavy, split_k)
-    return fewer if c_desc is not None and res_desc is not None else cfg
+    planned = _epilogue_plan(cfg, use_tma, a, c, residual, heavy, split_k)
+    if (heavy and residual is not None and planned[1] is None and cfg.num_stages > 3
+            and active_override() is None):
+        fewer = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        fewer_planned = _epilogue_plan(fewer, use_tma, a, c, residual, heavy, split_k)
+        if fewer_planned[1] is not None and fewer_planned[2] is not None:
+            return (fewer, *fewer_planned)
+    return (cfg, *planned)
 
 
 def _epilogue_plan(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Tensor, residual, heavy: bool,

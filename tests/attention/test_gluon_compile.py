@@ -31,13 +31,18 @@ BACKWARD_CASES = {"bwd-D128-causal": (128, True, None), "bwd-D64-full": (64, Fal
                   "bwd-D64-causal-with-dq": (64, True, True), "bwd-D64-full-dkdv-only": (64, False, False),
                   "bwd-D256-causal": (256, True, None), "bwd-D256-window": (256, "window", None)}
 PAGED_CASES = {"paged-boxes16": 16, "paged-boxes1024": 1024, "paged-gather1": 1, "paged-gather3": 3}
-# (norm, prefetch mode, warps, columns per access, programs per row[, a thread-block cluster]): 16384
+# (norm, prefetch mode, warps, columns per access, programs per row[, a thread-block cluster[, dw/db in
+# registers, ring slots]]): 16384
 # columns per program (8192 when four programs share a row)
 NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8, 1), "norm-bwd-rms-registers": ("rms", 1, 16, 4, 1),
               "norm-bwd-layer-noprefetch": ("layer", 0, 16, 4, 1), "norm-bwd-layer-split4": ("layer", 2, 16, 8, 4),
               "norm-bwd-rms-split2": ("rms", 2, 16, 8, 2),
               "norm-bwd-layer-cluster2": ("layer", 2, 32, 8, 2, True),
-              "norm-bwd-rms-cluster4": ("rms", 2, 32, 8, 4, True)}
+              "norm-bwd-rms-cluster4": ("rms", 2, 32, 8, 4, True),
+              # dw/db in registers: a ring of two staged rows (the table's layer norm at 16384), x and dy held
+              "norm-bwd-layer-regs-ring2": ("layer", 2, 32, 8, 1, False, True, 2),
+              "norm-bwd-rms-regs-held": ("rms", 2, 16, 8, 1, False, True, 1),
+              "norm-bwd-layer-regs-cluster2": ("layer", 2, 32, 8, 2, True, True, 3)}
 
 
 def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
@@ -154,7 +159,8 @@ def _compile_paged(page_size: int):
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs))
 
 
-def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, split: int, cluster: bool = False):
+def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, split: int, cluster: bool = False,
+                           acc_regs: bool = False, stages: int = 1):
     import torch
 
     from tilekernels.norm import _gluon, _kernels
@@ -170,7 +176,8 @@ def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, s
     return _compile_sm90(_gluon._row_backward_smem, dict(
         args, xchg_ptr=torch.zeros(M, split, 2, dtype=torch.int64) if split > 1 else None, max_spins=100), dict(
         NORM=_kernels.NORMS[norm], HAS_W=True, HAS_XBIAS=layer, HAS_DS=True, WANT_DW=True, WANT_DB=layer,
-        PREFETCH=prefetch, BLOCK_N=block_n, VEC=vec, SPLIT=split, CLUSTER=cluster), num_warps=num_warps)
+        PREFETCH=prefetch, BLOCK_N=block_n, VEC=vec, SPLIT=split, CLUSTER=cluster, ACC_REGS=acc_regs,
+        STAGES=stages), num_warps=num_warps)
 
 
 def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int):

@@ -911,6 +911,35 @@ def test_gpu_smem_backward(case, prefetch, device):
     assert ran == fits, f"{case.name}: Gluon backward ran {ran}, fits {fits}"
 
 
+# dw/db summed in registers (``acc_regs``; the table's choice for layer norm at 16384): x and dy held across the
+# row's reduction (one stage) or read again from a ring of two or three staged rows; one program per row, the
+# exchange through global memory, or a cluster of two
+REGISTER_SUM_CONFIGS = {"held-w32": dict(num_warps=32, stages=1), "ring2-w32": dict(num_warps=32, stages=2),
+                        "ring3-w16": dict(num_warps=16, stages=3), "ring2-split2": dict(num_warps=16, stages=2, split=2),
+                        "ring2-cluster2": dict(num_warps=32, stages=2, split=2, cluster=True)}
+
+
+@gpu
+@pytest.mark.parametrize("variant", list(REGISTER_SUM_CONFIGS))
+@pytest.mark.parametrize("case", [c.param() for c in SMEM_BACKWARD_CASES])
+def test_gpu_smem_backward_register_sums(case, variant, device):
+    """Every gradient against the fp64 reference with dw/db summed in registers, and bit-identical over
+    repeats; the Gluon kernel runs where its ring fits."""
+    from tilekernels.norm import _gluon
+
+    config = kern.SmemBackwardConfig(vec=8, acc_regs=True, **REGISTER_SUM_CONFIGS[variant])
+    with _override("smem_backward", config):
+        ran = _smem_backward_ran(case, device, lambda: check_backward(case, device, layouts=True))
+        inputs = make_inputs(case, device)
+        grad_y, grad_s = _grad_outputs(case, inputs)
+        runs = [run_backward(case, inputs, grad_y, grad_s) for _ in range(2)]
+    for key in runs[0]:
+        assert torch.equal(runs[0][key], runs[1][key]), f"{case.name}: d{key} differs between runs"
+    x = make_x(case, device).clone()
+    fits = _gluon.smem_backward_applies(x, x, None, config, triton.next_power_of_2(case.N), True, case.bias)
+    assert ran == fits, f"{case.name}: Gluon backward ran {ran}, fits {fits}"
+
+
 # rows shared by 2 or 4 programs that exchange their parts of the row sums: parts only partly filled or
 # empty (20000 = 2 x 8192 + 3616, in four parts of 8192), fewer rows than program groups, fp16 and fp32
 SPLIT_BACKWARD_CASES = [

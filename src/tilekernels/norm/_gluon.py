@@ -15,7 +15,11 @@ sums in shared memory instead, which Triton cannot allocate explicitly but Gluon
         dx = rstd * (g - xhat * mean(g * xhat) - mean(g))   -> stored
         dw_smem += dy * xhat;  db_smem += dy      (each thread its own elements)
 
-and at the end writes its sums to row ``pid`` of the ``[P, N]`` fp32 partial buffers that
+With ``ACC_REGS`` (the table's layer norm at 16384 columns) dw and db are summed in registers instead: they
+are updated before the row's reduction, x and dy are read a second time from a ring of staged rows after it,
+and xhat and g computed again for dx, so the row's 256 KiB of shared-memory read-modify-write go away.
+
+At the end each program writes its sums to row ``pid`` of the ``[P, N]`` fp32 partial buffers that
 ``_kernels._sum_rows`` adds in a fixed order, as the Triton path does: dw and db are bit-identical run
 to run. The shared-memory accumulators are loaded and stored in the register layout of the row, so
 each thread reads back only what it wrote.
@@ -81,11 +85,13 @@ def cluster_exchange_bytes(split: int) -> int:
 max_spins = 1 << 16
 
 
-def smem_backward_bytes(block_n: int, want_dw: bool, want_db: bool, prefetch: int, x_dtype, dy_dtype) -> int:
+def smem_backward_bytes(block_n: int, want_dw: bool, want_db: bool, prefetch: int, x_dtype, dy_dtype,
+                        acc_regs: bool = False, stages: int = 1) -> int:
     """Shared memory a program allocates beyond the reductions' scratch (``block_n``: its columns): the fp32
-    sums and the staged row."""
-    stage = block_n * (x_dtype.itemsize + dy_dtype.itemsize) if prefetch == 2 else 0
-    return 4 * block_n * (int(want_dw) + int(want_db)) + stage
+    sums (unless ``acc_regs``: in registers) and the ring of staged rows."""
+    stage = stages * block_n * (x_dtype.itemsize + dy_dtype.itemsize) if prefetch == 2 else 0
+    sums = 0 if acc_regs else 4 * block_n * (int(want_dw) + int(want_db))
+    return sums + stage
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -109,7 +115,7 @@ def smem_backward_applies(x: torch.Tensor, dy: torch.Tensor, ds, config, block_n
     if config.prefetch == 2 and not (x.shape[1] % 16 == 0 and _aligned(x) and _aligned(dy)):
         return False
     return smem_backward_bytes(block_n // config.split, want_dw, want_db, config.prefetch, x.dtype,
-                               dy.dtype) <= SMEM_BYTES
+                               dy.dtype, config.acc_regs, config.stages) <= SMEM_BYTES
 
 
 def smem_quant_applies(x: torch.Tensor, config, block_n: int) -> bool:
@@ -167,18 +173,34 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM: gl.constexpr,
-                   HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr):
-        """(xhat, g, sum of g * xhat, sum of g) over the columns ``cols`` of one loaded row (rms norm: the
-        second sum is not needed, and is 0 times the first). The same code and layout for a program's own
-        part of a row and for a partner's part re-read after a wait gave up, so both give the same bits."""
-        xhat, g = _row_values(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM, HAS_W, HAS_XBIAS)
+    def _row_sums(xhat, g, NORM: gl.constexpr):
+        """(sum of g * xhat, sum of g) (rms norm: the second sum is not needed, and is 0 times the first)."""
         if NORM == NORM_LAYER:
             sum_gx, sum_g = gl.reduce((g * xhat, g), 0, _add_pairs)
         else:
             sum_gx = gl.sum(g * xhat, axis=0)
             sum_g = sum_gx * 0.0
+        return sum_gx, sum_g
+
+    @gluon.jit
+    def _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM: gl.constexpr,
+                   HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr):
+        """(xhat, g, sum of g * xhat, sum of g) over the columns ``cols`` of one loaded row. The same code and
+        layout for a program's own part of a row and for a partner's part re-read after a wait gave up, so
+        both give the same bits."""
+        xhat, g = _row_values(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM, HAS_W, HAS_XBIAS)
+        sum_gx, sum_g = _row_sums(xhat, g, NORM)
         return xhat, g, sum_gx, sum_g
+
+    @gluon.jit
+    def _opaque(t):
+        """``t`` through a register move the compiler cannot see through (so values computed from ``t`` before
+        are not reused: they are computed again)."""
+        if not t.type.is_block():
+            return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False, pack=1)
+        if t.dtype.primitive_bitwidth == 16:
+            return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False, pack=2)
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False, pack=1)
 
     @gluon.jit
     def _word(value):
@@ -307,7 +329,8 @@ if HAVE_GLUON:
                            NORM: gl.constexpr, HAS_W: gl.constexpr, HAS_XBIAS: gl.constexpr, HAS_DS: gl.constexpr,
                            WANT_DW: gl.constexpr, WANT_DB: gl.constexpr, PREFETCH: gl.constexpr,
                            BLOCK_N: gl.constexpr, VEC: gl.constexpr, SPLIT: gl.constexpr,
-                           CLUSTER: gl.constexpr = False):
+                           CLUSTER: gl.constexpr = False, ACC_REGS: gl.constexpr = False,
+                           STAGES: gl.constexpr = 1):
         """``SPLIT`` programs (a group; 1 for rows of ``BLOCK_N`` columns or fewer) share the group's rows,
         each ``BLOCK_N`` columns of them (``cols``). With ``SPLIT > 1`` a program
         publishes its part's two row sums (``_word``), updates dw/db while its partners' come (two programs:
@@ -315,7 +338,12 @@ if HAVE_GLUON:
         (``_partner_sums``) before its dx. With ``CLUSTER`` the group is a thread-block cluster: the sums
         travel through its shared memory (``_cluster_publish``, ``_cluster_load``), ``xchg_ptr`` is the
         int32 error words (set, and a row, when a wait gave up), and dw/db are updated after the dx store,
-        as with one program per row (the partner's sums come in well under a row's time)."""
+        as with one program per row (the partner's sums come in well under a row's time).
+
+        ``ACC_REGS`` (one program per row, or ``CLUSTER``): dw/db are summed in registers instead of shared
+        memory, updated before the row's reduction, and xhat and g are computed again after it for dx, from x
+        and dy read again from their ring slot (``STAGES`` > 1) or held across it (16-bit: half the registers
+        of xhat and g). ``STAGES``: the rows copied ahead by cp.async (``PREFETCH`` 2) are ``STAGES`` - 1."""
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
         smem_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         pid = gl.program_id(0)
@@ -327,14 +355,19 @@ if HAVE_GLUON:
         zero = gl.zeros([BLOCK_N], gl.float32, layout)
         dw_smem = None
         db_smem = None
-        if WANT_DW:
-            dw_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
-        if WANT_DB:
-            db_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
-        if PREFETCH == 2:   # the next row waits in shared memory, copied there by cp.async
-            x_stage = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
-            dy_stage = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [BLOCK_N], smem_layout)
-            _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, group, M, cols, mask_n, stride_xm, stride_dym)
+        dw_acc = zero
+        db_acc = zero
+        if not ACC_REGS:
+            if WANT_DW:
+                dw_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
+            if WANT_DB:
+                db_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], smem_layout, zero)
+        if PREFETCH == 2:   # the next rows wait in shared memory, copied there by cp.async
+            x_ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_N], smem_layout)
+            dy_ring = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [STAGES, BLOCK_N], smem_layout)
+            for s in gl.static_range(max(STAGES - 1, 1)):
+                _stage_row(x_ring.index(s), dy_ring.index(s), x_ptr, dy_ptr, group + s * groups, M, cols, mask_n,
+                           stride_xm, stride_dym)
         elif PREFETCH == 1:   # in registers
             x_next, dy_next = _load_row(x_ptr, dy_ptr, group, M, cols, mask_n, stride_xm, stride_dym)
         spins_left = max_spins
@@ -342,12 +375,22 @@ if HAVE_GLUON:
         if CLUSTER:
             _cluster_init(area_bytes)
         it = 0   # CLUSTER: the row's iteration (its parity picks the slot; it + 1 tags the words)
+        step = 0   # the ring's iteration
         for row in range(group, M, groups):
-            if PREFETCH == 2:
+            slot = step % STAGES
+            if PREFETCH == 2 and STAGES == 1:
                 async_copy.wait_group(0)
-                x = x_stage.load(layout)
-                dy = dy_stage.load(layout)
-                _stage_row(x_stage, dy_stage, x_ptr, dy_ptr, row + groups, M, cols, mask_n, stride_xm, stride_dym)
+                x = x_ring.index(0).load(layout)
+                dy = dy_ring.index(0).load(layout)
+                _stage_row(x_ring.index(0), dy_ring.index(0), x_ptr, dy_ptr, row + groups, M, cols, mask_n, stride_xm,
+                           stride_dym)
+            elif PREFETCH == 2:   # into the slot read last iteration (each thread copies and reads its own elements)
+                ahead = (step + STAGES - 1) % STAGES
+                _stage_row(x_ring.index(ahead), dy_ring.index(ahead), x_ptr, dy_ptr, row + (STAGES - 1) * groups, M,
+                           cols, mask_n, stride_xm, stride_dym)
+                async_copy.wait_group(STAGES - 1)
+                x = x_ring.index(slot).load(layout)
+                dy = dy_ring.index(slot).load(layout)
             elif PREFETCH == 1:
                 x = x_next
                 dy = dy_next
@@ -355,8 +398,17 @@ if HAVE_GLUON:
             else:
                 x, dy = _load_row(x_ptr, dy_ptr, row, M, cols, mask_n, stride_xm, stride_dym)
             rstd = gl.load(rstd_ptr + row)
-            xhat, g, sum_gx, sum_g = _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM,
-                                                HAS_W, HAS_XBIAS)
+            if ACC_REGS:
+                xhat, g = _row_values(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM, HAS_W,
+                                      HAS_XBIAS)
+                if WANT_DW:
+                    dw_acc += dy.to(gl.float32) * xhat
+                if WANT_DB:
+                    db_acc += dy.to(gl.float32)
+                sum_gx, sum_g = _row_sums(xhat, g, NORM)
+            else:
+                xhat, g, sum_gx, sum_g = _part_sums(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM,
+                                                    HAS_W, HAS_XBIAS)
             if SPLIT > 1:
                 own_gx = sum_gx
                 own_g = sum_g
@@ -371,7 +423,8 @@ if HAVE_GLUON:
                     gl.atomic_xchg(words + 2 * part + 1, _word(own_g), sem="relaxed", scope="gpu")
                     if SPLIT == 2:   # the partner's words: the loads overlap the dw/db update
                         w0, w1 = _load_words(words + 2 * (1 - part), spins_left)
-                    _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
+                    if not ACC_REGS:
+                        _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
                 sum_gx = 0.0
                 sum_g = 0.0
                 for other in gl.static_range(SPLIT):
@@ -390,6 +443,16 @@ if HAVE_GLUON:
                     sum_gx += part_gx
                     sum_g += part_g
                 it += 1
+            if ACC_REGS:   # xhat and g again (from an opaque slot index or copies: the first ones are not held)
+                if PREFETCH == 2 and STAGES > 1:
+                    again = _opaque(slot)
+                    x = x_ring.index(again).load(layout)
+                    dy = dy_ring.index(again).load(layout)
+                else:
+                    x = _opaque(x)
+                    dy = _opaque(dy)
+                xhat, g = _row_values(x, dy, xbias_ptr, w_ptr, mean_ptr, row, rstd, cols, mask_n, NORM, HAS_W,
+                                      HAS_XBIAS)
             if NORM == NORM_LAYER:
                 dx = (g - xhat * (sum_gx / N) - sum_g / N) * rstd
             else:
@@ -397,17 +460,23 @@ if HAVE_GLUON:
             if HAS_DS:
                 dx += gl.load(ds_ptr + row.to(gl.int64) * stride_dsm + cols, mask=mask_n, other=0.0).to(gl.float32)
             gl.store(dx_ptr + row.to(gl.int64) * N + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask_n)
-            if SPLIT == 1 or CLUSTER:
+            if (SPLIT == 1 or CLUSTER) and not ACC_REGS:
                 _accumulate(dw_smem, db_smem, dy, xhat, layout, WANT_DW, WANT_DB)
+            step += 1
         if CLUSTER:   # no program leaves while a partner may still write into its shared memory
             _cluster_sync()
         if PREFETCH == 2:   # the last copy (of no row: masked) lands before the program exits
             async_copy.wait_group(0)
         part_row = group.to(gl.int64) * N
+        if not ACC_REGS:
+            if WANT_DW:
+                dw_acc = dw_smem.load(layout)
+            if WANT_DB:
+                db_acc = db_smem.load(layout)
         if WANT_DW:
-            gl.store(dw_part_ptr + part_row + cols, dw_smem.load(layout), mask=mask_n)
+            gl.store(dw_part_ptr + part_row + cols, dw_acc, mask=mask_n)
         if WANT_DB:
-            gl.store(db_part_ptr + part_row + cols, db_smem.load(layout), mask=mask_n)
+            gl.store(db_part_ptr + part_row + cols, db_acc, mask=mask_n)
 
 
 # ----------------------------------------------------------------------------------------------------

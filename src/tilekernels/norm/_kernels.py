@@ -789,7 +789,8 @@ INTERPRETER_BACKWARD_BLOCK = 1024
 
 @dataclasses.dataclass(frozen=True)
 class SmemBackwardConfig:
-    """The Gluon backward (``_gluon._row_backward_smem``): whole rows, dw/db sums in shared memory."""
+    """The Gluon backward (``_gluon._row_backward_smem``): whole rows, dw/db sums in shared memory (or, with
+    ``acc_regs``, in registers)."""
 
     num_warps: int
     # the next row: 0 not loaded ahead, 1 loaded into registers, 2 copied into shared memory by cp.async
@@ -801,6 +802,10 @@ class SmemBackwardConfig:
     # split > 1: a row's programs are one thread-block cluster and exchange the sums in distributed shared
     # memory (Hopper) instead of through global memory
     cluster: bool = False
+    # dw/db summed in registers instead of shared memory (one program per row, or cluster)
+    acc_regs: bool = False
+    # prefetch 2: ring slots of staged rows (stages - 1 rows copied ahead)
+    stages: int = 1
 
 
 # (power-of-two width, norm) -> SmemBackwardConfig: the widths where the Gluon backward
@@ -817,8 +822,12 @@ class SmemBackwardConfig:
 # 0.690-0.694 / 0.820-0.826 for the exchange through global memory in the same runs; at 65536 0.736-0.741 /
 # 0.809-0.814 against 0.641-0.644 / 0.763-0.767. At 16384, two programs of 8192 columns per SM in clusters
 # measured 0.53-0.76, below the single program's 0.83 / 0.91.
+# Since 2026-11-25 layer norm at 16384 sums dw/db in registers (``acc_regs``) with a ring of two staged rows:
+# 0.854-0.860 against 0.824-0.830 for the sums in shared memory, whose read-modify-write each row was
+# 256 KiB of shared-memory traffic. Not rms at 16384 (0.909 against 0.913), nor at 8192 (0.75 against 0.85
+# for the Triton kernel) or in the cluster kernels (0.60 against 0.85 for layer at 32768: they spill).
 SMEM_BACKWARD_CONFIGS = {
-    (16384, "layer"): SmemBackwardConfig(32, vec=8),
+    (16384, "layer"): SmemBackwardConfig(32, vec=8, acc_regs=True, stages=2),
     (16384, "rms"): SmemBackwardConfig(16, vec=8),
     (32768, "layer"): SmemBackwardConfig(32, vec=8, split=2, cluster=True),
     (32768, "rms"): SmemBackwardConfig(32, vec=8, split=2, cluster=True),

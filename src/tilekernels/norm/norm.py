@@ -242,7 +242,8 @@ def launch_backward(dy, x, x_bias, ds, weight, mean, rstd, norm, want_dw, want_d
             # row_programs groups of smem.split programs, each program one column part of the group's rows
             row_programs = max(1, min(M, smem.programs_per_sm * sm_count(device) // smem.split))
             constexprs = dict(**switches, PREFETCH=smem.prefetch, BLOCK_N=block_n // smem.split, VEC=smem.vec,
-                              SPLIT=smem.split, CLUSTER=smem.cluster and smem.split > 1)
+                              SPLIT=smem.split, CLUSTER=smem.cluster and smem.split > 1, ACC_REGS=smem.acc_regs,
+                              STAGES=smem.stages if smem.prefetch == 2 else 1)
             rows = None
             if constexprs["CLUSTER"]:
                 # a row group's programs are one cluster and exchange the row sums in shared memory; the

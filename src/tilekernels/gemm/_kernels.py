@@ -24,7 +24,8 @@ row-major residual go through TMA descriptors instead (``epilogue_store``; gemm.
 import triton
 import triton.language as tl
 
-from .._runtime import TRACE_COMPUTE, TRACE_WAIT, cast_for_store, compensated_dot, dot, offset_i64, trace_clock, trace_event
+from .._runtime import (INTERPRET, TRACE_COMPUTE, TRACE_WAIT, cast_for_store, compensated_dot, dot, offset_i64,
+                        trace_clock, trace_event)
 from .scheduler import tile_coords, wait_for_rows
 
 
@@ -35,9 +36,42 @@ def _tanh(x):
 
 
 @triton.jit
-def apply_activation(x, ACTIVATION: tl.constexpr):
+def _gelu_short(x):
+    """GELU ``x * Phi(x)`` in 13 instructions (2 of them MUFU) instead of the ~20 of libdevice's erf and its
+    coefficient selects, for epilogues that round to 16 bits (in the fused GEMM epilogue the erf was most of
+    its cost: 8192^3 bias+gelu+residual 618-625 TFLOP/s against 654-661 for bias+relu+residual, H100).
+
+    Phi(x) = 1 / (1 + 2^(-x P(x^2))) with P a degree-6 polynomial fitted to the logit of Phi (in log2 units,
+    x^2 clamped at 36, where Phi is within 1e-9 of 0 or 1): |Phi error| <= 3.2e-8 over the whole line in
+    exact arithmetic, so |GELU error| <= 9.2e-8 -- about erf's fp32 form, whose 1 + erf(x / sqrt 2) cancels
+    to ~6e-8 absolute for x < 0 -- and a thousandth of a 16-bit output's unit near |GELU| ~ 0.1. The GPU
+    takes ex2.approx and rcp.approx (flush to zero; ~2^-22 relative each). Inf and NaN as the erf form:
+    +inf -> +inf, -inf -> NaN, NaN -> NaN; below about -5.4 it returns a tiny negative value or -0."""
+    t = tl.minimum(x * x, 36.0)
+    p = 5.346370129345479e-09 * t - 3.9003021824463704e-07
+    p = p * t + 1.1527107182836388e-05
+    p = p * t - 0.00015997022700301174
+    p = p * t - 9.32933701122274e-05
+    p = p * t + 0.1048345688660696
+    p = p * t + 2.302209396871495
+    q = -(x * p)
+    if INTERPRET:
+        r = 1.0 / (1.0 + tl.math.exp2(q))
+    else:
+        e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [q], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+    return x * r
+
+
+@triton.jit
+def apply_activation(x, ACTIVATION: tl.constexpr, SHORT_GELU: tl.constexpr = False):
+    """``SHORT_GELU``: gelu by ``_gelu_short`` (the caller rounds the result to 16 bits or fewer)."""
     if ACTIVATION == "relu":
         x = tl.where(x < 0.0, 0.0, x)  # NaN stays NaN (tl.maximum would drop it)
+    elif ACTIVATION == "gelu" and SHORT_GELU:
+        x = _gelu_short(x)
     elif ACTIVATION == "gelu":
         x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
     elif ACTIVATION == "gelu_tanh":
@@ -92,7 +126,8 @@ def epilogue_store(acc, c_ptr, stride_cm, stride_cn, offs_m, offs_n, M, N, alpha
                 out = out + bias.to(tl.float32)[None, :]
             else:
                 out = out + _load_mn(bias_ptr, offs_m, offs_n, mask, stride_bias_m, stride_bias_n)
-        out = apply_activation(out, ACTIVATION)
+        out_bits: tl.constexpr = (c_ptr.dtype if C_DESC else c_ptr.dtype.element_ty).primitive_bitwidth
+        out = apply_activation(out, ACTIVATION, out_bits <= 16)
         if NUM_MUL >= 1:
             out = out * _load_mn(mul0_ptr, offs_m, offs_n, mask, stride_mul0_m, stride_mul0_n)
         if NUM_MUL >= 2:

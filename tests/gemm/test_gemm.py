@@ -218,45 +218,52 @@ def test_activation_after_bias(activation, device):
 
 
 @triton.jit
-def _short_gelu_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+def _short_gelu_kernel(x_ptr, y_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(y_ptr + offs, apply_activation(v, "gelu", True), mask=offs < n)
+    tl.store(y_ptr + offs, apply_activation(v, ACTIVATION, True), mask=offs < n)
 
 
-def _short_gelu(x: torch.Tensor) -> torch.Tensor:
-    """The fused epilogue's GELU for 16-bit outputs (``_kernels._gelu_short``) applied to fp32 ``x``."""
+def _short_gelu(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """The fused epilogue's GELU for 16-bit outputs (``_kernels._gelu_short`` / ``_gelu_tanh_short``) applied
+    to fp32 ``x``."""
     y = torch.empty_like(x)
-    _short_gelu_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
+    _short_gelu_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), ACTIVATION=activation, BLOCK=4096)
     return y
 
 
-def _check_short_gelu(device, bound: float):
+def _check_short_gelu(device, activation: str, bound: float):
     x = torch.cat([torch.linspace(-12, 12, 240001), torch.linspace(-0.01, 0.01, 2001),
                    torch.tensor([0.0, -0.0, 3e-39, -3e-39, 1e30, -1e30, 3e38])]).to(device)
-    y = _short_gelu(x).cpu().double()
+    y = _short_gelu(x, activation).cpu().double()
     xd = x.cpu().double()
-    exact = xd * 0.5 * torch.special.erfc(-xd / 2 ** 0.5)
+    if activation == "gelu":
+        exact = xd * 0.5 * torch.special.erfc(-xd / 2 ** 0.5)
+    else:
+        exact = 0.5 * xd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd ** 3)))
     err = (y - exact).abs()
     allowed = bound * xd.abs().clamp(min=1.0) + exact.abs() * 2 ** -23
     worst = int(torch.argmax(err / allowed))
     assert bool((err <= allowed).all()), f"x={xd[worst].item()}: {y[worst].item()} against {exact[worst].item()}"
-    # inf and NaN as the erf form gives them (torch itself returns NaN for both infinities)
-    special = _short_gelu(torch.tensor([float("inf"), float("-inf"), float("nan")], device=device)).cpu()
+    # inf and NaN as the erf / tanh forms give them (torch itself returns NaN for both infinities)
+    special = _short_gelu(torch.tensor([float("inf"), float("-inf"), float("nan")], device=device), activation)
+    special = special.cpu()
     assert special[0].item() == float("inf") and special[1:].isnan().all(), special
 
 
-def test_short_gelu_against_fp64(device):
-    """The GELU of 16-bit epilogues against fp64 over [-12, 12] (both tails, the bend, denormals, huge
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_short_gelu_against_fp64(activation, device):
+    """The GELUs of 16-bit epilogues against fp64 over [-12, 12] (both tails, the bend, denormals, huge
     values): within 3e-7 * max(1, |x|) -- a thousandth of a bf16 or fp16 unit where GELU is ~0.1 or more."""
-    _check_short_gelu(device, 3e-7)
+    _check_short_gelu(device, activation, 3e-7)
 
 
 @gpu
-def test_gpu_short_gelu_against_fp64(device):
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_gpu_short_gelu_against_fp64(activation, device):
     """The same on the GPU, where ex2.approx and rcp.approx (about 2^-22 relative each) stand in for the
     interpreter's exact exp2 and division."""
-    _check_short_gelu(device, 6e-7)
+    _check_short_gelu(device, activation, 6e-7)
 
 
 @pytest.mark.parametrize("out_kind", ["col", "padded", "step"])

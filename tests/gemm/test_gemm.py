@@ -239,27 +239,29 @@ def _check_short_gelu(device, activation: str, bound: float):
     xd = x.cpu().double()
     if activation == "gelu":
         exact = xd * 0.5 * torch.special.erfc(-xd / 2 ** 0.5)
-    else:
+    elif activation == "gelu_tanh":
         exact = 0.5 * xd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (xd + 0.044715 * xd ** 3)))
+    else:
+        exact = xd * torch.sigmoid(xd)
     err = (y - exact).abs()
     allowed = bound * xd.abs().clamp(min=1.0) + exact.abs() * 2 ** -23
     worst = int(torch.argmax(err / allowed))
     assert bool((err <= allowed).all()), f"x={xd[worst].item()}: {y[worst].item()} against {exact[worst].item()}"
-    # inf and NaN as the erf / tanh forms give them (torch itself returns NaN for both infinities)
+    # inf and NaN as the erf / tanh / division forms give them (torch's GELUs return NaN for both infinities)
     special = _short_gelu(torch.tensor([float("inf"), float("-inf"), float("nan")], device=device), activation)
     special = special.cpu()
     assert special[0].item() == float("inf") and special[1:].isnan().all(), special
 
 
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
 def test_short_gelu_against_fp64(activation, device):
-    """The GELUs of 16-bit epilogues against fp64 over [-12, 12] (both tails, the bend, denormals, huge
-    values): within 3e-7 * max(1, |x|) -- a thousandth of a bf16 or fp16 unit where GELU is ~0.1 or more."""
+    """The GELUs (and SiLU) of 16-bit epilogues against fp64 over [-12, 12] (both tails, the bend, denormals,
+    huge values): within 3e-7 * max(1, |x|) -- a thousandth of a bf16 or fp16 unit where GELU is ~0.1 or more."""
     _check_short_gelu(device, activation, 3e-7)
 
 
 @gpu
-@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "silu"])
 def test_gpu_short_gelu_against_fp64(activation, device):
     """The same on the GPU, where ex2.approx and rcp.approx (about 2^-22 relative each) stand in for the
     interpreter's exact exp2 and division."""

@@ -83,8 +83,8 @@ def _gelu_tanh_short(x):
 
 @triton.jit
 def apply_activation(x, ACTIVATION: tl.constexpr, SHORT_GELU: tl.constexpr = False):
-    """``SHORT_GELU``: gelu and gelu_tanh by ``_gelu_short`` and ``_gelu_tanh_short`` (the caller rounds the
-    result to 16 bits or fewer)."""
+    """``SHORT_GELU``: gelu and gelu_tanh by ``_gelu_short`` and ``_gelu_tanh_short``, silu by
+    ``_logistic_times`` (the caller rounds the result to 16 bits or fewer)."""
     if ACTIVATION == "relu":
         x = tl.where(x < 0.0, 0.0, x)  # NaN stays NaN (tl.maximum would drop it)
     elif ACTIVATION == "gelu" and SHORT_GELU:
@@ -95,6 +95,8 @@ def apply_activation(x, ACTIVATION: tl.constexpr, SHORT_GELU: tl.constexpr = Fal
         x = _gelu_tanh_short(x)
     elif ACTIVATION == "gelu_tanh":
         x = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif ACTIVATION == "silu" and SHORT_GELU:
+        x = _logistic_times(x, x * -1.4426950408889634)   # x / (1 + e^-x): ex2 and rcp instead of exp and a division
     elif ACTIVATION == "silu":
         x = x / (1.0 + tl.exp(-x))
     return x

@@ -919,6 +919,12 @@ REGISTER_SUM_CONFIGS = {"held-w32": dict(num_warps=32, stages=1), "ring2-w32": d
                         "ring2-cluster2": dict(num_warps=32, stages=2, split=2, cluster=True)}
 
 
+@pytest.mark.parametrize("stages", [0, -1, 1.5, True])
+def test_smem_backward_config_refuses_bad_stages(stages):
+    with pytest.raises(ValueError, match="stages"):
+        kern.SmemBackwardConfig(16, stages=stages)
+
+
 @gpu
 @pytest.mark.parametrize("variant", list(REGISTER_SUM_CONFIGS))
 @pytest.mark.parametrize("case", [c.param() for c in SMEM_BACKWARD_CASES])

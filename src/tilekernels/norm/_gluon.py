@@ -196,11 +196,8 @@ if HAVE_GLUON:
     def _opaque(t):
         """``t`` through a register move the compiler cannot see through (so values computed from ``t`` before
         are not reused: they are computed again)."""
-        if not t.type.is_block():
-            return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False, pack=1)
-        if t.dtype.primitive_bitwidth == 16:
-            return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False, pack=2)
-        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False, pack=1)
+        PACK: gl.constexpr = 2 if t.type.is_block() and t.dtype.primitive_bitwidth == 16 else 1   # 16-bit pairs
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [t], dtype=t.dtype, is_pure=False, pack=PACK)
 
     @gluon.jit
     def _word(value):

@@ -807,6 +807,10 @@ class SmemBackwardConfig:
     # prefetch 2: ring slots of staged rows (stages - 1 rows copied ahead)
     stages: int = 1
 
+    def __post_init__(self):
+        if not isinstance(self.stages, int) or isinstance(self.stages, bool) or self.stages < 1:
+            raise ValueError(f"SmemBackwardConfig: stages must be an int >= 1, got {self.stages!r}")
+
 
 # (power-of-two width, norm) -> SmemBackwardConfig: the widths where the Gluon backward
 # replaces the Triton one on a GPU (when its shared memory fits and the columns are contiguous). H100 sweep

@@ -471,6 +471,25 @@ def test_async_input_takes_the_wider_group_on_large_tiles(monkeypatch):
     assert medium == TUNED_HOPPER_16BIT["medium"]
 
 
+def test_heavy_epilogue_takes_the_large_tile_on_medium_problems(monkeypatch):
+    """configs.HEAVY_EPILOGUE_CLASS: a 16-bit heavy epilogue on Hopper moves the medium class to the large
+    tile; the plain GEMM, fp32, the async-input kernel and every other class keep their tuned tile."""
+    from tilekernels.gemm import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    hopper = torch.device("cuda", 0)
+    assert select_config(2048, 7168, 4096, torch.bfloat16, hopper) == TUNED_HOPPER_16BIT["medium"]
+    assert select_config(2048, 7168, 4096, torch.bfloat16, hopper, heavy_epilogue=True) == TUNED_HOPPER_16BIT["large"]
+    assert select_config(2048, 7168, 4096, torch.float16, hopper, heavy_epilogue=True) == TUNED_HOPPER_16BIT["large"]
+    assert (select_config(2048, 7168, 4096, torch.float32, hopper, heavy_epilogue=True)
+            == select_config(2048, 7168, 4096, torch.float32, hopper))
+    assert select_config(2048, 7168, 4096, torch.bfloat16, hopper, async_input=True,
+                         heavy_epilogue=True) == TUNED_HOPPER_16BIT["medium"]
+    assert select_config(128, 7168, 4096, torch.bfloat16, hopper, heavy_epilogue=True) == TUNED_HOPPER_16BIT["skinny"]
+    monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
+    assert select_config(2048, 7168, 4096, torch.bfloat16, hopper, heavy_epilogue=True).block_n == 128
+
+
 def test_candidate_configs(device):
     """Every config the sweep would try on this device, on one small odd shape (the GPU lane has a
     bigger one, with the tuned configs too)."""
@@ -860,9 +879,11 @@ def test_flatten_only_where_shared_memory_allows():
     a = torch.empty(1, 1, dtype=torch.bfloat16)
     assert _can_flatten(large, a, 4, tma_epilogue=True, heavy=False)
     assert not _can_flatten(large, a, 1, tma_epilogue=False, heavy=False)  # + 128 KiB fp32 layout change
-    assert not _can_flatten(large, a, 4, tma_epilogue=True, heavy=True)  # measured slower fused
-    with override_config(large):
-        assert _can_flatten(large, a, 4, tma_epilogue=True, heavy=True)  # the caller's choice
+    three = dataclasses.replace(large, num_stages=3)
+    assert _can_flatten(three, a, 2, tma_epilogue=True, heavy=True)  # level or faster fused
+    assert not _can_flatten(three, a, 2, tma_epilogue=False, heavy=True)  # pointer epilogue: measured slower fused
+    with override_config(three):
+        assert _can_flatten(three, a, 2, tma_epilogue=False, heavy=True)  # the caller's choice
 
 
 def test_heavy_epilogue_gives_up_a_stage_for_the_tma_epilogue():

@@ -144,10 +144,20 @@ def shape_class(M: int, N: int, K: int) -> str:
 ASYNC_LARGE_GROUP_M = 16
 
 
+# A heavy epilogue (bias, activation, mul or residual) on the medium class takes the large tile: bias + gelu +
+# residual, bf16, H100, CUDA-graph replays, two processes of 5 rounds (2026-11-25), the large tile at 3 stages with
+# its loops fused against the medium 128x128 tile: 2048x7168x4096 569 against 502 TFLOP/s, 2048x4096x4096 636
+# against 515, 1024x8192x8192 680 / 574, 3000x3000x4096 398 / 342, 2048x2048x8192 679 / 606, 4000x4000x2048 525 /
+# 368, 512x8192x4096 605 / 540 (the plain GEMM keeps the medium tile: 1.03x cuBLAS at 2048x7168x4096).
+HEAVY_EPILOGUE_CLASS = {"medium": "large"}
+
+
 def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
-                  async_input: bool = False) -> GemmConfig:
+                  async_input: bool = False, heavy_epilogue: bool = False) -> GemmConfig:
     """The launch config for one problem (``async_input``: for the async-input kernel, which waits for
-    its rows at every tile); an active ``override_config`` wins."""
+    its rows at every tile; ``heavy_epilogue``: tk.gemm with a bias, activation, mul or residual, which
+    moves 16-bit medium problems on Hopper to the large tile, ``HEAVY_EPILOGUE_CLASS``); an active
+    ``override_config`` wins."""
     if _override:
         return _override[-1]
     if device.type != "cuda":
@@ -158,6 +168,8 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
         return GemmConfig(64, 64, 32, 8, 4, 3, use_tma=major >= 9) if M <= 64 else GemmConfig(128, 128, 32, 8, 8, 3, use_tma=major >= 9)
     table = TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT
     cls = shape_class(M, N, K)
+    if heavy_epilogue and not async_input and dtype.itemsize == 2 and major >= 9:
+        cls = HEAVY_EPILOGUE_CLASS.get(cls, cls)
     cfg = table[cls]
     if async_input and cls == "large":
         cfg = dataclasses.replace(cfg, group_m=ASYNC_LARGE_GROUP_M)

@@ -227,7 +227,7 @@ def _short_gelu_kernel(x_ptr, y_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.cons
 def _short_gelu(x: torch.Tensor, activation: str) -> torch.Tensor:
     """The fused epilogue's GELU for 16-bit outputs (``_kernels._gelu_short`` / ``_gelu_tanh_short``) applied
     to fp32 ``x``."""
-    y = torch.empty_like(x)
+    y = poisoned(tuple(x.shape), x.dtype, x.device)
     _short_gelu_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), ACTIVATION=activation, BLOCK=4096)
     return y
 
@@ -857,6 +857,22 @@ def test_gpu_large_tile_heavy_epilogue(M, N, K, device):
     out = poisoned((M, N), torch.bfloat16, device)
     tk.gemm(a, b, out=out, **epilogue)
     check(f"heavy-{M}x{N}x{K}", out, a, b, **epilogue)
+
+
+@gpu
+def test_gpu_medium_heavy_epilogue_takes_the_large_tile(device):
+    # configs.HEAVY_EPILOGUE_CLASS on the device: a medium problem with bias + gelu + residual runs the large tile
+    # at 3 stages with C and the residual through TMA and its loops fused; edges in M and N, a K tail, the output
+    # poisoned first.
+    M, N, K = 1000, 2056, 1000
+    a, b = operands(M, N, K, torch.bfloat16, "RR", device)
+    epilogue = {"bias": random_tensor((N,), torch.bfloat16, device), "activation": "gelu",
+                "residual": random_tensor((M, N), torch.bfloat16, device)}
+    out = poisoned((M, N), torch.bfloat16, device)
+    _, plan = _planned(a, b, out=out, **epilogue)
+    assert (plan.cfg.block_m, plan.cfg.block_n, plan.cfg.num_stages) == (128, 256, 3)
+    assert plan.c_desc is not None and plan.res_desc is not None
+    check(f"medium-heavy-{M}x{N}x{K}", out, a, b, **epilogue)
 
 
 @gpu

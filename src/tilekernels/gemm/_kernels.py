@@ -82,20 +82,20 @@ def _gelu_tanh_short(x):
 
 
 @triton.jit
-def apply_activation(x, ACTIVATION: tl.constexpr, SHORT_GELU: tl.constexpr = False):
-    """``SHORT_GELU``: gelu and gelu_tanh by ``_gelu_short`` and ``_gelu_tanh_short``, silu by
+def apply_activation(x, ACTIVATION: tl.constexpr, SHORT_FORMS: tl.constexpr = False):
+    """``SHORT_FORMS``: gelu and gelu_tanh by ``_gelu_short`` and ``_gelu_tanh_short``, silu by
     ``_logistic_times`` (the caller rounds the result to 16 bits or fewer)."""
     if ACTIVATION == "relu":
         x = tl.where(x < 0.0, 0.0, x)  # NaN stays NaN (tl.maximum would drop it)
-    elif ACTIVATION == "gelu" and SHORT_GELU:
+    elif ACTIVATION == "gelu" and SHORT_FORMS:
         x = _gelu_short(x)
     elif ACTIVATION == "gelu":
         x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACTIVATION == "gelu_tanh" and SHORT_GELU:
+    elif ACTIVATION == "gelu_tanh" and SHORT_FORMS:
         x = _gelu_tanh_short(x)
     elif ACTIVATION == "gelu_tanh":
         x = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-    elif ACTIVATION == "silu" and SHORT_GELU:
+    elif ACTIVATION == "silu" and SHORT_FORMS:
         x = _logistic_times(x, x * -1.4426950408889634)   # x / (1 + e^-x): ex2 and rcp instead of exp and a division
     elif ACTIVATION == "silu":
         x = x / (1.0 + tl.exp(-x))

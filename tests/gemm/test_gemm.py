@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import itertools
 import threading
 
 import pytest
@@ -765,6 +766,29 @@ def test_bad_input(build, match, device):
     a, b, kwargs = build(t)
     with pytest.raises((ValueError, TypeError), match=match):
         tk.gemm(a, b, **kwargs)
+
+
+def test_operand_broadcast_rule_matches_torch():
+    """The operand check applies broadcasting's rule to the shape itself (torch.broadcast_shapes costs 10-20 us of
+    host time a call): it accepts exactly the shapes torch broadcasts to [M, N], over every shape of up to three
+    dimensions built from 0, 1, M, N and M + 1."""
+    from tilekernels.gemm.gemm import _check_operand
+
+    for M, N in ((3, 5), (4, 4), (1, 6), (6, 1), (1, 1)):
+        sizes = sorted({0, 1, M, N, M + 1})
+        shapes = [()] + [(d,) for d in sizes] + list(itertools.product(sizes, sizes))
+        shapes += list(itertools.product((1, 2), (1, M), (1, N)))
+        for shape in shapes:
+            t = torch.empty(shape)
+            try:
+                ok = len(shape) <= 2 and torch.broadcast_shapes(shape, (M, N)) == (M, N)
+            except RuntimeError:
+                ok = False
+            if ok:
+                _check_operand("bias", t, M, N, t.device)
+            else:
+                with pytest.raises(ValueError, match=r"\bbias\b.*broadcast"):
+                    _check_operand("bias", t, M, N, t.device)
 
 
 def test_out_sharing_memory_with_inputs(device):

@@ -478,6 +478,7 @@ def test_heavy_epilogue_takes_the_large_tile_on_medium_problems(monkeypatch):
     from tilekernels.gemm import configs
 
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     hopper = torch.device("cuda", 0)
     assert select_config(2048, 7168, 4096, torch.bfloat16, hopper) == TUNED_HOPPER_16BIT["medium"]
     assert select_config(2048, 7168, 4096, torch.bfloat16, hopper, heavy_epilogue=True) == TUNED_HOPPER_16BIT["large"]
@@ -489,6 +490,38 @@ def test_heavy_epilogue_takes_the_large_tile_on_medium_problems(monkeypatch):
     assert select_config(128, 7168, 4096, torch.bfloat16, hopper, heavy_epilogue=True) == TUNED_HOPPER_16BIT["skinny"]
     monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
     assert select_config(2048, 7168, 4096, torch.bfloat16, hopper, heavy_epilogue=True).block_n == 128
+
+
+@pytest.mark.parametrize("sms", [132, 114])
+def test_plain_medium_problems_take_the_tile_with_fewer_waves(sms, monkeypatch):
+    """configs.LARGE_TILE_COST: a plain 16-bit medium problem on Hopper takes the large tile where its waves over
+    the programs, times the cost of a large tile in medium tiles, are fewer than the medium tile's. The shapes and
+    winners are the H100's measurements (132 SMs); an H100 PCIe's 114 SMs move some of them."""
+    from tilekernels.gemm import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: sms)
+    hopper = torch.device("cuda", 0)
+    large, medium = TUNED_HOPPER_16BIT["large"], TUNED_HOPPER_16BIT["medium"]
+    measured = {(2048, 2048, 8192): large, (2048, 4096, 4096): large, (1024, 8192, 8192): large,
+                (2560, 2560, 8192): large, (4000, 4000, 2048): large, (1024, 4096, 4096): large,
+                (512, 8192, 4096): large, (2048, 7168, 4096): medium, (3072, 3072, 4096): medium,
+                (1536, 6144, 4096): medium}
+    for (M, N, K), tile in measured.items():
+        def waves(cfg):
+            return -(-(-(-M // cfg.block_m) * -(-N // cfg.block_n)) // sms)
+
+        expect = large if waves(large) * configs.LARGE_TILE_COST < waves(medium) else medium
+        if sms == 132:
+            assert expect == tile, (M, N, K)
+        assert select_config(M, N, K, torch.bfloat16, hopper) == expect, (M, N, K)
+        assert select_config(M, N, K, torch.float16, hopper) == expect, (M, N, K)
+        # fp32, the async-input kernel and non-Hopper GPUs keep their own choice
+        assert select_config(M, N, K, torch.float32, hopper) == select_config(M, N, K, torch.float32, hopper,
+                                                                                heavy_epilogue=True)
+        assert select_config(M, N, K, torch.bfloat16, hopper, async_input=True) == medium
+    assert select_config(8192, 8192, 8192, torch.bfloat16, hopper) == large
+    assert select_config(256, 8192, 8192, torch.bfloat16, hopper) == TUNED_HOPPER_16BIT["skinny"]
 
 
 def test_candidate_configs(device):

@@ -148,15 +148,34 @@ ASYNC_LARGE_GROUP_M = 16
 # residual, bf16, H100, CUDA-graph replays, two processes of 5 rounds (2026-11-25), the large tile at 3 stages with
 # its loops fused against the medium 128x128 tile: 2048x7168x4096 569 against 502 TFLOP/s, 2048x4096x4096 636
 # against 515, 1024x8192x8192 680 / 574, 3000x3000x4096 398 / 342, 2048x2048x8192 679 / 606, 4000x4000x2048 525 /
-# 368, 512x8192x4096 605 / 540 (the plain GEMM keeps the medium tile: 1.03x cuBLAS at 2048x7168x4096).
+# 368, 512x8192x4096 605 / 540 (the plain GEMM follows the wave rule below: medium at 2048x7168x4096, 1.03x cuBLAS).
 HEAVY_EPILOGUE_CLASS = {"medium": "large"}
+
+# Without a heavy epilogue the medium class takes the large tile where that tile's waves over the persistent
+# programs cost less: a large (128x256) tile runs in about LARGE_TILE_COST times a medium (128x128) tile's time, so
+# the large tile wins when waves(large) * LARGE_TILE_COST < waves(medium), waves = ceil(tiles / programs).
+# Plain bf16, H100 (132 programs), CUDA-graph replays, 3 rounds, RC and RR alike (2026-11-25), medium against
+# large TFLOP/s: 2048x2048x8192 676 / 708 (waves 2 / 1), 2048x4096x4096 635 / 678 (4 / 2), 1024x8192x8192 656 / 693
+# (4 / 2), 2560x2560x8192 540 / 587 (4 / 2), 4000x4000x2048 559 / 625 (8 / 4), 1024x4096x4096 648 / 662 (2 / 1),
+# 512x8192x4096 645 / 646 (2 / 1); and the other way: 2048x7168x4096 643 / 616 (7 / 4), 3072x3072x4096 583 / 557
+# (5 / 3), 1536x6144x4096 578 / 553 (5 / 3). Those ratios put the cost at 1.74-1.91.
+LARGE_TILE_COST = 1.85
+
+
+def _large_tile_waves_less(M: int, N: int, table: dict, device: torch.device) -> bool:
+    """Whether ``table``'s large tile takes less time than its medium tile by the wave count (above)."""
+    def waves(cfg: GemmConfig) -> int:
+        return cdiv(_tile_count(M, N, cfg), sm_count(device) * cfg.programs_per_sm)
+
+    return waves(table["large"]) * LARGE_TILE_COST < waves(table["medium"])
 
 
 def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
                   async_input: bool = False, heavy_epilogue: bool = False) -> GemmConfig:
     """The launch config for one problem (``async_input``: for the async-input kernel, which waits for
     its rows at every tile; ``heavy_epilogue``: tk.gemm with a bias, activation, mul or residual, which
-    moves 16-bit medium problems on Hopper to the large tile, ``HEAVY_EPILOGUE_CLASS``); an active
+    moves 16-bit medium problems on Hopper to the large tile, ``HEAVY_EPILOGUE_CLASS``; without one a 16-bit
+    medium problem on Hopper takes the large tile where it needs fewer waves, ``LARGE_TILE_COST``); an active
     ``override_config`` wins."""
     if _override:
         return _override[-1]
@@ -165,11 +184,16 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
     major, _ = capability(device)
     if dtype == torch.float32 and fp32_precision() == "ieee":
         # fp32 FMA with a compensation term: two fp32 tiles live, so smaller tiles (not yet tuned).
-        return GemmConfig(64, 64, 32, 8, 4, 3, use_tma=major >= 9) if M <= 64 else GemmConfig(128, 128, 32, 8, 8, 3, use_tma=major >= 9)
+        if M <= 64:
+            return GemmConfig(64, 64, 32, 8, 4, 3, use_tma=major >= 9)
+        return GemmConfig(128, 128, 32, 8, 8, 3, use_tma=major >= 9)
     table = TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT
     cls = shape_class(M, N, K)
-    if heavy_epilogue and not async_input and dtype.itemsize == 2 and major >= 9:
-        cls = HEAVY_EPILOGUE_CLASS.get(cls, cls)
+    if not async_input and dtype.itemsize == 2 and major >= 9:
+        if heavy_epilogue:
+            cls = HEAVY_EPILOGUE_CLASS.get(cls, cls)
+        elif cls == "medium" and _large_tile_waves_less(M, N, table, device):
+            cls = "large"
     cfg = table[cls]
     if async_input and cls == "large":
         cfg = dataclasses.replace(cfg, group_m=ASYNC_LARGE_GROUP_M)

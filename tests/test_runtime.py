@@ -12,6 +12,7 @@ import triton
 
 import tilekernels as tk
 from tilekernels import _runtime
+from tilekernels.testing import assert_close, poisoned, random_tensor, reference_gemm
 
 gpu = pytest.mark.gpu
 
@@ -35,45 +36,39 @@ def test_gpu_raw_launch_matches_triton_launcher(device):
     registered launch hook forces (the hook must fire on each of those calls)."""
     gemm_module = importlib.import_module("tilekernels.gemm.gemm")
     M, N, K = 300, 512, 256
-    gen = torch.Generator(device=device).manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
 
     def rand(*shape):
-        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+        return random_tensor(shape, torch.bfloat16, device, generator=gen)
 
-    def call(x, out):
+    def call(x):
+        out = poisoned((M, N), torch.bfloat16, device)
         return tk.gemm(x[0], x[1], bias=x[2], activation="gelu", residual=x[3], out=out)
 
     sets = [(rand(M, K), rand(K, N), rand(N), rand(M, N)) for _ in range(_runtime._RAW_DESCRIPTOR_CACHE + 8)]
     sets += [sets[0], sets[1], sets[0]]
     gemm_module._PLANS.clear()
-    fast = [call(x, torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)) for x in sets]
+    fast = [call(x) for x in sets]
     (plan,) = gemm_module._PLANS.values()
     assert plan.c_desc is not None and plan.res_desc is not None, "the case must pass C and the residual by TMA"
     if triton.__version__.startswith("3.6"):
         assert plan.kernel.launch.raw is not None, "triton 3.6's launcher should take the raw path"
 
     fired = []
-
-    def hook(metadata):
-        fired.append(metadata)
-
-    triton.knobs.runtime.launch_enter_hook.add(hook)
+    triton.knobs.runtime.launch_enter_hook.add(fired.append)
     try:
-        slow = [call(x, torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)) for x in sets]
+        slow = [call(x) for x in sets]
     finally:
-        triton.knobs.runtime.launch_enter_hook.remove(hook)
+        triton.knobs.runtime.launch_enter_hook.remove(fired.append)
     torch.cuda.synchronize()
     assert len(fired) == len(sets), "a registered launch hook must see every launch"
     for i, (f, s) in enumerate(zip(fast, slow)):
         assert not f.isnan().any(), f"raw launch {i} left NaN in its output"
         assert torch.equal(f, s), f"raw launch {i} differs from triton's launcher"
-    a, b, bias, residual = (t.double() for t in sets[5])
-    ref = torch.nn.functional.gelu(a @ b + bias) + residual
-    assert (fast[5].double() - ref).abs().max().item() < 0.5, "the raw path's GEMM is wrong"
-
-
-def _fresh(gen, device, *shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+    a, b, bias, residual = sets[5]
+    epilogue = dict(bias=bias, activation="gelu", residual=residual)
+    assert_close("raw-launch", fast[5], reference_gemm(a, b, **epilogue),
+                 reference_gemm(a, b, compute_dtype=None, **epilogue))
 
 
 @gpu
@@ -88,42 +83,45 @@ def test_gpu_raw_launch_matches_triton_launcher_across_ops(device, monkeypatch):
 
     for module in (_fwd, _bwd, _paged_kernels):
         monkeypatch.setattr(module, "hopper_mode", True)
-    gen = torch.Generator(device=device).manual_seed(1)
+    gen = torch.Generator().manual_seed(1)
     B, S, H, H_kv, D = 2, 640, 4, 2, 128
 
+    def fresh(g, *shape):
+        return random_tensor(shape, torch.bfloat16, device, generator=g)
+
     def attention(seed):
-        g = torch.Generator(device=device).manual_seed(seed)
-        q, k, v = (_fresh(g, device, B, S, h, D).requires_grad_() for h in (H, H_kv, H_kv))
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (fresh(g, B, S, h, D).requires_grad_() for h in (H, H_kv, H_kv))
         out = tk.flash_attn_func(q, k, v, causal=True, deterministic=True)
-        out.backward(_fresh(g, device, B, S, H, D))
+        out.backward(fresh(g, B, S, H, D))
         return [out.detach(), q.grad, k.grad, v.grad]
 
     page, pages = 16, 96
-    k_cache, v_cache = (_fresh(gen, device, pages, page, H_kv, D) for _ in range(2))
+    k_cache, v_cache = (fresh(gen, pages, page, H_kv, D) for _ in range(2))
     kv_lens = [700, 333]
-    page_counts = [-(-n // page) for n in kv_lens]
+    page_counts = [_runtime.cdiv(n, page) for n in kv_lens]
     kv_indptr = torch.tensor([0, page_counts[0], sum(page_counts)], device=device, dtype=torch.int32)
-    kv_pages = torch.randperm(pages, device=device, generator=gen)[:sum(page_counts)].to(torch.int32)
+    kv_pages = torch.randperm(pages, generator=gen)[:sum(page_counts)].to(device=device, dtype=torch.int32)
     last = torch.tensor([n - (c - 1) * page for n, c in zip(kv_lens, page_counts)], device=device,
                         dtype=torch.int32)
     qo_indptr = torch.tensor([0, 300, 400], device=device, dtype=torch.int32)
 
     def prefill(seed):
-        g = torch.Generator(device=device).manual_seed(seed)
-        q = _fresh(g, device, 400, H, D)
+        g = torch.Generator().manual_seed(seed)
+        q = fresh(g, 400, H, D)
         return [tk.batch_prefill(q, k_cache, v_cache, qo_indptr, kv_indptr, kv_pages, last, causal=True)]
 
-    smooth = torch.rand(8, 4096, device=device, generator=gen) + 0.5
-    ids = torch.randint(0, 8, (512, 2), device=device, generator=gen, dtype=torch.int32)
-    weight = _fresh(gen, device, 4096)
+    smooth = (torch.rand(8, 4096, generator=gen) + 0.5).to(device)
+    ids = torch.randint(0, 8, (512, 2), generator=gen, dtype=torch.int32).to(device)
+    weight = fresh(gen, 4096)
 
     def moe(seed):
-        g = torch.Generator(device=device).manual_seed(seed)
-        return list(tk.moe_smooth_quant(_fresh(g, device, 512, 4096), smooth, ids))
+        g = torch.Generator().manual_seed(seed)
+        return list(tk.moe_smooth_quant(fresh(g, 512, 4096), smooth, ids))
 
     def norm(seed):
-        g = torch.Generator(device=device).manual_seed(seed)
-        return [tk.rms_norm(_fresh(g, device, 512, 4096), weight)]
+        g = torch.Generator().manual_seed(seed)
+        return [tk.rms_norm(fresh(g, 512, 4096), weight)]
 
     fired = []
     for name, call in (("attention", attention), ("prefill", prefill), ("moe", moe), ("norm", norm)):

@@ -618,9 +618,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None,
     if scale_b is not None and isinstance(scale_b, numbers.Real):
         alpha, scale_b = alpha * float(scale_b), None
     split = _AUTO_SPLIT if split_k == "auto" else split_k
-    needs_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (bias, residual, scale_a, scale_b, *mul)
-        if t is not None))
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (a, b, bias, residual, scale_a, scale_b, *mul))
     if needs_grad and out is not None:
         raise ValueError("out= does not support autograd, but an input requires grad: drop out= or call "
                          "under torch.no_grad()")

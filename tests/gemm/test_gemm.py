@@ -524,6 +524,104 @@ def test_plain_medium_problems_take_the_tile_with_fewer_waves(sms, monkeypatch):
     assert select_config(256, 8192, 8192, torch.bfloat16, hopper) == TUNED_HOPPER_16BIT["skinny"]
 
 
+@pytest.mark.parametrize("sms", [132, 114])
+def test_row_tail_plan(sms, monkeypatch):
+    """configs.select_plan: where the last wave of tiles is part-full, the rows past whole waves go to a smaller
+    tile in a launch of their own, if the model saves TAIL_MIN_GAIN. The split is always whole row tiles inside
+    whole waves; the anchors (whole or nearly whole waves) keep select_config's single launch; fp32, non-Hopper
+    and an override take no tail."""
+    from tilekernels.gemm import configs
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: sms)
+    hopper = torch.device("cuda", 0)
+    large, medium, skinny = (TUNED_HOPPER_16BIT[k] for k in ("large", "medium", "skinny"))
+    if sms == 132:   # the H100's measured cases
+        assert configs.select_plan(3072, 3072, 4096, torch.bfloat16, hopper) == (large, configs.RowTail(2816, skinny))
+        assert configs.select_plan(6144, 3072, 4096, torch.bfloat16, hopper) == (large, configs.RowTail(5632, medium))
+        for shape in ((8192, 8192, 8192), (4096, 4096, 4096), (16384, 3584, 8192), (8192, 28672, 8192),
+                      (8192, 8192, 28672), (2048, 7168, 4096), (2048, 2048, 8192), (2560, 2560, 8192)):
+            assert configs.select_plan(*shape, torch.bfloat16, hopper) == (
+                select_config(*shape, torch.bfloat16, hopper), None), shape
+    seen = 0
+    for M, N, K in itertools.product((1000, 1536, 2048, 3072, 4096, 6144), (1024, 3072, 4608, 7168), (512, 4096)):
+        for heavy in (False, True):
+            cfg, tail = configs.select_plan(M, N, K, torch.bfloat16, hopper, heavy)
+            if tail is None:
+                assert cfg == select_config(M, N, K, torch.bfloat16, hopper, heavy_epilogue=heavy)
+                continue
+            seen += 1
+            tiles_n = cdiv(N, cfg.block_n)
+            assert tail.rows % cfg.block_m == 0 and 0 < tail.rows < M
+            assert (tail.rows // cfg.block_m) * tiles_n <= (cdiv(M, cfg.block_m) * tiles_n // sms) * sms
+            assert tail.config.block_m * tail.config.block_n < cfg.block_m * cfg.block_n
+            assert not heavy or cfg == large
+    assert seen > 0
+    assert configs.select_plan(3072, 3072, 4096, torch.float32, hopper)[1] is None
+    with override_config(large):
+        assert configs.select_plan(3072, 3072, 4096, torch.bfloat16, hopper) == (large, None)
+    monkeypatch.setattr(configs, "capability", lambda device: (8, 0))
+    assert configs.select_plan(3072, 3072, 4096, torch.bfloat16, hopper)[1] is None
+
+
+def _force_row_tail(monkeypatch, main: GemmConfig, tail: GemmConfig, rows: int):
+    """Make every tk.gemm plan made from here on split at ``rows`` (those with more rows)."""
+    from tilekernels.gemm import configs
+
+    gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
+
+    def plan(M, N, K, dtype, device, heavy_epilogue=False):
+        return (main, configs.RowTail(rows, tail)) if M > rows else (main, None)
+
+    monkeypatch.setattr(gemm_mod, "select_plan", plan)
+    monkeypatch.setattr(gemm_mod, "_PLANS", {})
+    calls = []
+    real = gemm_mod._launch_tail
+    monkeypatch.setattr(gemm_mod, "_launch_tail", lambda *args: (calls.append(args[0]), real(*args)))
+    return calls
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_row_tail_every_layout(layout, tma, monkeypatch):
+    """A launch split into a main part and a row tail in another tile (forced here; the interpreter's own plan
+    never splits): every row written, each part right, in every layout, with and without TMA descriptors (the
+    tail's descriptors sit on row views of A and C)."""
+    main = GemmConfig(32, 32, 32, 2, 4, 1, use_tma=tma)
+    tail = GemmConfig(16, 16, 32, 2, 4, 1, use_tma=tma)
+    calls = _force_row_tail(monkeypatch, main, tail, 64)
+    for dtype in (torch.float16, torch.float32):
+        M, N, K = 88, 72, 48
+        a, b = operands(M, N, K, dtype, layout, "cpu")
+        out = poisoned((M, N), dtype)
+        tk.gemm(a, b, out=out)
+        check(f"row tail {layout} {dtype}", out, a, b)
+    assert len(calls) == 2 and calls[0].rows == 64 and calls[0].config == tail
+
+
+def test_row_tail_epilogue_operands(monkeypatch):
+    """The tail's rows of every [M, N]-shaped epilogue operand, and the broadcast ones whole: bias [N] and
+    [M, N], mul [M, 1] and [1, N], scale_a [M] and [M, 1], residual [M, N] (also in place, out=residual), a
+    strided out; fp16 with gelu."""
+    calls = _force_row_tail(monkeypatch, GemmConfig(32, 32, 32, 2, 4, 1), GemmConfig(16, 32, 16, 2, 4, 1), 32)
+    M, N, K = 70, 40, 24
+    dt = torch.float16
+    a, b = operands(M, N, K, dt, "RC", "cpu", unit=True)
+    bias_n, bias_mn = random_tensor((N,), dt), random_tensor((M, N), dt)
+    mul = [random_tensor((M, 1), dt), random_tensor((1, N), dt)]
+    scale_a = random_tensor((M,), torch.float32).abs() + 0.5
+    residual = random_tensor((M, N), dt)
+    for bias, sa in ((bias_n, scale_a), (bias_mn, scale_a.reshape(M, 1))):
+        out = poisoned((N, M), dt).t()   # column-major out
+        tk.gemm(a, b, bias=bias, activation="gelu", mul=mul, scale_a=sa, residual=residual, beta=0.5, out=out)
+        check("row tail epilogue", out, a, b, bias=bias, activation="gelu", mul=mul, scale_a=sa, residual=residual,
+              beta=0.5)
+    inplace = residual.clone()
+    tk.gemm(a, b, bias=bias_n, residual=inplace, out=inplace)
+    check("row tail out=residual", inplace, a, b, bias=bias_n, residual=residual)
+    assert len(calls) == 3
+
+
 def test_candidate_configs(device):
     """Every config the sweep would try on this device, on one small odd shape (the GPU lane has a
     bigger one, with the tuned configs too)."""
@@ -930,6 +1028,37 @@ def test_gpu_medium_heavy_epilogue_takes_the_large_tile(device):
     assert (plan.cfg.block_m, plan.cfg.block_n, plan.cfg.num_stages) == (128, 256, 3)
     assert plan.c_desc is not None and plan.res_desc is not None
     check(f"medium-heavy-{M}x{N}x{K}", out, a, b, **epilogue)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["RR", "RC", "CR"])
+def test_gpu_row_tail(layout, device):
+    # configs.select_plan on this device: a shape whose last wave of tiles is part-full splits its rows into a main
+    # launch and a tail in a smaller tile. Plain and bias + gelu + residual, edges in M and N, out poisoned: within
+    # the error rule, and bit-identical to the main config over all rows in one launch (the same K order per
+    # element; outputs were bit-identical between the 128x128 and 128x256 tiles too).
+    from tilekernels.gemm import configs
+
+    gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
+    shapes = [(3000, 3000, 4096), (3072, 3072, 4096), (6144, 3072, 4096), (1536, 6144, 4096), (4096, 4608, 4096)]
+    split = [(s, configs.select_plan(*s, torch.bfloat16, device)) for s in shapes]
+    split = [(s, plan) for s, plan in split if plan[1] is not None]
+    if not split:
+        pytest.skip(f"no row tail for these shapes on {configs.sm_count(device)} SMs")
+    (M, N, K), _ = split[0]
+    a, b = operands(M, N, K, torch.bfloat16, layout, device, unit=True)
+    for epilogue in ({}, {"bias": random_tensor((N,), torch.bfloat16, device), "activation": "gelu",
+                          "residual": random_tensor((M, N), torch.bfloat16, device)}):
+        gemm_mod._PLANS.clear()
+        out = poisoned((M, N), torch.bfloat16, device)
+        tk.gemm(a, b, out=out, **epilogue)
+        mains = [p for p in gemm_mod._PLANS.values() if p.tail is not None]
+        planned = configs.select_plan(M, N, K, torch.bfloat16, device, bool(epilogue))
+        assert planned[1] is not None and [p.tail for p in mains] == [planned[1]], planned
+        check(f"row-tail-{layout}-{M}x{N}x{K}-{sorted(epilogue)}", out, a, b, **epilogue)
+        # the main launch's own config (a heavy epilogue's is a stage fewer, for its TMA epilogue)
+        single = tk.gemm(a, b, config=mains[0].cfg, **epilogue)
+        assert torch.equal(out, single), f"{(out != single).sum().item()} elements differ from one launch"
 
 
 @gpu

@@ -6,6 +6,8 @@ Providers:
   in the sweep.
 - ``cublas``: ``torch.matmul`` (fp16/bf16/fp32 with tf32 allowed, as tk.gemm computes fp32),
   ``torch._scaled_mm`` with tensorwise scales for fp8, ``torch._int_mm`` for int8 (int32 out).
+- medium rows (``--variants medium``): plain GEMMs of 2-9 waves of tiles, where how full the last wave is
+  decides much of the time (``configs.select_plan``'s row tail); the same providers as plain.
 - async rows (``--variants async``): ``tk.async_input_mm`` with every chunk signal preset (A split in
   ``ASYNC_CHUNKS`` chunks, pivot 1), against ``tk.gemm`` on the same operands and PyTorch's
   ``torch.ops.symm_mem._async_input_mm`` (CUTLASS, SM90, bf16) with the same signals and pivot: the
@@ -73,12 +75,18 @@ GPU_SHAPES = ["8192x8192x8192", "4096x4096x4096", "16384x3584x8192", "8192x28672
               "2048x7168x4096", "16x8192x8192", "64x8192x8192", "128x8192x8192"]
 GPU_EPILOGUE_SHAPES = ["8192x8192x8192", "4096x4096x4096"]
 GPU_ASYNC_SHAPES = [f"{m}x{n}x8192" for m in (4096, 8192, 16384) for n in (3584, 8192)]
+# Medium problems of 2-9 waves of tiles on 132 SMs, some with a part-full last wave (hidden sizes 3072 and 4608,
+# and a few squares) and some without (2048x7168x4096 is the anchor).
+GPU_MEDIUM_SHAPES = ["3072x3072x4096", "1536x6144x4096", "6144x3072x4096", "4096x4608x4096", "2048x3072x8192",
+                     "3000x3000x4096", "5120x5120x4096", "2560x2560x8192", "2048x7168x4096"]
+MEDIUM = "plain, medium shapes"
 ASYNC_CHUNKS = 2
 # Under the interpreter: big enough to span several 32x32 tiles with ragged edges, small enough to run
 # in seconds.
 INTERPRETER_SHAPES = ["64x48x80", "16x48x80"]
 INTERPRETER_EPILOGUE_SHAPES = ["64x48x80"]
 INTERPRETER_ASYNC_SHAPES = ["64x48x80"]
+INTERPRETER_MEDIUM_SHAPES = ["80x48x40"]
 
 LAYOUTS = ("RR", "RC", "CR", "CC")
 EPILOGUE = "bias+gelu+residual"
@@ -240,10 +248,13 @@ def _torch_async(x: dict) -> torch.Tensor:
 
 
 def _default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device, split_k,
-                    async_input: bool = False) -> str:
-    from ..gemm.configs import select_config
+                    async_input: bool = False, heavy_epilogue: bool = False) -> str:
+    from ..gemm.configs import describe_plan, select_config, select_plan
 
-    text = select_config(M, N, K, dtype, device, async_input).describe()
+    if async_input or split_k != 1:
+        text = select_config(M, N, K, dtype, device, async_input, heavy_epilogue).describe()
+    else:
+        text = describe_plan(*select_plan(M, N, K, dtype, device, heavy_epilogue))
     return text if split_k == 1 else f"{text} split_k={split_k}"
 
 
@@ -255,7 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="RR", choices=LAYOUTS,
                         help="A and B storage: R row-major, C column-major (a transposed view); default RR")
     parser.add_argument("--variants", default="plain,epilogue",
-                        help=f"plain, epilogue ({EPILOGUE}) and/or async ({ASYNC}); default plain,epilogue")
+                        help=f"plain, medium ({MEDIUM}), epilogue ({EPILOGUE}) and/or async ({ASYNC}); default plain,epilogue")
     parser.add_argument("--split-k", default="1",
                         help="tk.gemm split_k: one value for bench (1, N or auto), a comma list for --sweep")
     parser.add_argument("--no-prune", action="store_true",
@@ -263,7 +274,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _case(shape: dict, dtype: torch.dtype, layout: str, device: torch.device, seed: int, epilogue: bool,
-          split_k, wanted: set[str] | None, async_input: bool = False) -> BenchCase:
+          split_k, wanted: set[str] | None, async_input: bool = False, variant: str = "") -> BenchCase:
     M, N, K = shape["M"], shape["N"], shape["K"]
     out_dtype = _out_dtype(dtype)
     itemsize, out_size = dtype.itemsize, out_dtype.itemsize
@@ -302,11 +313,12 @@ def _case(shape: dict, dtype: torch.dtype, layout: str, device: torch.device, se
     if wanted is not None:
         providers = {k: v for k, v in providers.items() if k in wanted}
     return BenchCase(
-        op=NAME, shape=dict(shape), dtype=dtype, variant=ASYNC if async_input else EPILOGUE if epilogue else "plain",
+        op=NAME, shape=dict(shape), dtype=dtype,
+        variant=variant or (ASYNC if async_input else EPILOGUE if epilogue else "plain"),
         layout=layout,
         flops=2.0 * M * N * K, set_bytes=set_bytes, make_inputs=make_inputs, providers=providers,
         check=_make_check(M, N, "gelu" if epilogue else None, out_dtype, device),
-        configs={OURS: _default_config(M, N, K, dtype, device, split_k, async_input)},
+        configs={OURS: _default_config(M, N, K, dtype, device, split_k, async_input, epilogue)},
     )
 
 
@@ -334,9 +346,9 @@ def _parse_split_k(text: str):
 def bench_cases(opts: argparse.Namespace, device: torch.device) -> list[BenchCase]:
     interpreter = device.type != "cuda"
     variants = {v.strip() for v in opts.variants.split(",") if v.strip()}
-    unknown = variants - {"plain", "epilogue", "async"}
+    unknown = variants - {"plain", "epilogue", "async", "medium"}
     if unknown:
-        raise UsageError(f"--variants: unknown {sorted(unknown)}; choose from plain, epilogue, async")
+        raise UsageError(f"--variants: unknown {sorted(unknown)}; choose from plain, epilogue, async, medium")
     split_k = _parse_split_k(opts.split_k)
     if len(split_k) != 1:
         raise UsageError("--split-k: bench takes one value (a list is for --sweep)")
@@ -347,12 +359,13 @@ def bench_cases(opts: argparse.Namespace, device: torch.device) -> list[BenchCas
         print("torch.compile provider skipped on the CPU interpreter (inductor's CPU compile takes ~20 s and "
               "its timing would mean nothing); ask for it with --providers", flush=True)
     if opts.shapes:
-        shapes = epilogue_shapes = async_shapes = parse_shapes(opts.shapes)
+        shapes = epilogue_shapes = async_shapes = medium_shapes = parse_shapes(opts.shapes)
     else:
         shapes = parse_shapes(",".join(INTERPRETER_SHAPES if interpreter else GPU_SHAPES))
         epilogue_shapes = parse_shapes(",".join(INTERPRETER_EPILOGUE_SHAPES if interpreter
                                                 else GPU_EPILOGUE_SHAPES))
         async_shapes = parse_shapes(",".join(INTERPRETER_ASYNC_SHAPES if interpreter else GPU_ASYNC_SHAPES))
+        medium_shapes = parse_shapes(",".join(INTERPRETER_MEDIUM_SHAPES if interpreter else GPU_MEDIUM_SHAPES))
     dtype = opts.dtype
     _allow_tf32(dtype)
     if "epilogue" in variants and dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -364,6 +377,9 @@ def bench_cases(opts: argparse.Namespace, device: torch.device) -> list[BenchCas
     cases = []
     if "plain" in variants:
         cases += [_case(s, dtype, opts.layout, device, opts.seed, False, split_k, wanted) for s in shapes]
+    if "medium" in variants:
+        cases += [_case(s, dtype, opts.layout, device, opts.seed, False, split_k, wanted, variant=MEDIUM)
+                  for s in medium_shapes]
     if "epilogue" in variants:
         cases += [_case(s, dtype, opts.layout, device, opts.seed, True, split_k, wanted)
                   for s in epilogue_shapes]

@@ -205,6 +205,91 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
     return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class RowTail:
+    """A launch split in two by rows: rows ``[0, rows)`` take the main config in whole waves over the persistent
+    programs, rows ``[rows, M)`` a smaller tile (``config``) in a launch of their own, right after."""
+    rows: int
+    config: GemmConfig
+
+
+# The row tail (``select_plan``). A persistent launch whose tiles leave the last wave part-full runs that wave at
+# the full tile's time; with the leftover rows in a smaller tile the last wave costs less. Time of one full wave
+# of each tile relative to a medium (128x128) tile's wave, and what a wave with idle SMs costs of a full one (fewer
+# programs share L2 and the power budget). Measured on the H100 (bf16, CUDA-graph replays, 2026-11-25): at
+# 3072x3072x4096 2 large waves 99-102 us, their leftover 256 rows as one large wave 42 us, in 128x128 tiles 21.6 us,
+# in 64x128 tiles 15.5 us; 6144x3072x4096: 4 large waves 197-208 us, the leftover 512 rows in 128x128 tiles 23.4 us;
+# a full medium wave at K 4096 26.6-27.5 us. The tail's launch costs TAIL_LAUNCH_US more, and the split is taken only
+# where the model says it saves TAIL_MIN_GAIN of the best single launch's time. Tail against single launch (same
+# process, 3 interleaved rounds, eager / CUDA graphs; outputs bit-identical to the single launch in every case):
+# 3072x3072x4096 +7% / +12-14%, 3000x3000x4096 +27% / +20-25%, 6144x3072x4096 +7% / +8-20%, 4096x4608x4096 +3-5% /
+# +6-12%, 1536x6144x4096 +0-1% / +1-7%, 5120x5120x4096 +1% / +0-4%; bias+gelu+residual 3072x3072x4096 +15-17%,
+# 6144x3072x4096 +4-8%, 4096x4608x4096 +4-9%, 2048x7168x4096 +2-7%.
+TAIL_WAVE_COST = {"large": LARGE_TILE_COST, "medium": 1.0, "skinny": 0.7}
+TAIL_LIGHT_WAVE = 0.85
+TAIL_LAUNCH_US = 3.0
+TAIL_MIN_GAIN = 0.07
+# and only behind two whole waves or more: 2048x3072x8192 (one large wave, then 640 rows in 128x128 tiles, a
+# predicted 8%) measured 3-5% faster than its single launch eager but 5-7% slower under CUDA graphs.
+TAIL_MIN_WAVES = 2
+# bf16 tensor-core rate of one SM under load (H100: ~690 TFLOP/s over 132 SMs), to put TAIL_LAUNCH_US in waves
+_SM_FLOPS = 5.2e12
+
+
+def _row_tail_cost(M: int, N: int, main: GemmConfig, tail: GemmConfig, costs: dict, programs: int,
+                   launch: float) -> tuple[float, int] | None:
+    """(cost in medium waves, rows of the main launch) of ``main`` over whole waves and ``tail`` over the rest,
+    or None where there is no such split (whole waves already, fewer than ``TAIL_MIN_WAVES`` of them, or no whole
+    row of tiles inside them)."""
+    tiles_n = cdiv(N, main.block_n)
+    tiles = cdiv(M, main.block_m) * tiles_n
+    waves = tiles // programs
+    if waves < TAIL_MIN_WAVES or tiles % programs == 0:
+        return None
+    row_tiles = waves * programs // tiles_n
+    rows = row_tiles * main.block_m
+    if row_tiles == 0 or rows >= M:
+        return None
+    tail_waves = cdiv(cdiv(M - rows, tail.block_m) * cdiv(N, tail.block_n), programs)
+    cost = waves * costs[main] + (tail_waves - 1 + TAIL_LIGHT_WAVE) * costs[tail] + launch
+    return cost, rows
+
+
+def select_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
+                heavy_epilogue: bool = False) -> tuple[GemmConfig, RowTail | None]:
+    """``select_config``'s choice, or a split of the rows into a main launch of whole waves and a tail in a
+    smaller tile (``RowTail``) where the model above says that saves at least ``TAIL_MIN_GAIN``: plain or heavy
+    16-bit medium and large problems on Hopper (a heavy epilogue keeps the large tile for its main launch). An
+    active ``override_config`` takes no tail."""
+    cfg = select_config(M, N, K, dtype, device, False, heavy_epilogue)
+    if _override or device.type != "cuda" or dtype.itemsize != 2 or capability(device)[0] < 9 or K < 1:
+        return cfg, None
+    table = TUNED_HOPPER_16BIT
+    costs = {table[name]: cost for name, cost in TAIL_WAVE_COST.items()}
+    if cfg not in (table["medium"], table["large"]):
+        return cfg, None
+    programs = sm_count(device)
+    launch = TAIL_LAUNCH_US * 1e-6 * _SM_FLOPS / (2.0 * 128 * 128 * K)
+    best = cdiv(_tile_count(M, N, cfg), programs) * costs[cfg]
+    choice: tuple[GemmConfig, RowTail | None] = (cfg, None)
+    bar = best * (1.0 - TAIL_MIN_GAIN)
+    mains = (table["large"],) if heavy_epilogue else (table["large"], table["medium"])
+    for main in mains:
+        for name in ("medium", "skinny"):
+            tail = table[name]
+            if tail.block_m * tail.block_n >= main.block_m * main.block_n:
+                continue
+            found = _row_tail_cost(M, N, main, tail, costs, programs, launch)
+            if found is not None and found[0] <= bar:
+                bar = found[0]
+                choice = (main, RowTail(found[1], tail))
+    return choice
+
+
+def describe_plan(cfg: GemmConfig, tail: RowTail | None) -> str:
+    return cfg.describe() if tail is None else f"{cfg.describe()} rows<{tail.rows}, then {tail.config.describe()}"
+
+
 def auto_split_k(M: int, N: int, K: int, cfg: GemmConfig, device: torch.device) -> int:
     """Split K when the output tiles cannot fill the machine and K is long enough to share.
 

@@ -18,7 +18,7 @@ from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_no_se
                         is_interpreter, on_current_device, plain_eager, rebase, sm_count, supports_tensor_descriptors,
                         tensor_key)
 from . import _kernels
-from .configs import GemmConfig, active_override, auto_split_k, select_config
+from .configs import GemmConfig, RowTail, active_override, auto_split_k, select_config, select_plan
 from .scheduler import AsyncInputScheduler
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -215,7 +215,7 @@ class _Plan:
 
     __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "c_desc", "res_desc",
                  "num_programs", "ints", "epilogue_strides", "async_ints", "epilogue_flags", "acc_int", "kernel",
-                 "local_desc", "local_ints")
+                 "local_desc", "local_ints", "tail")
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -250,18 +250,28 @@ def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
 
 
 def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
-               trace=None) -> _Plan:
+               trace=None, cfg=None) -> _Plan:
+    """``cfg``: the config to take as it is (a row tail's launch, ``_launch_tail``); None picks one, and may split
+    the rows into a main launch and a tail (``configs.select_plan``)."""
     M, K = a.shape
     N = b.shape[1]
     heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
-    cfg = select_config(M, N, K, a.dtype, a.device, async_input is not None, heavy_epilogue)
+    tail = None
+    if cfg is None and async_input is None and trace is None and split_k in (1, _AUTO_SPLIT):
+        cfg, tail = select_plan(M, N, K, a.dtype, a.device, heavy_epilogue)
+    elif cfg is None:
+        cfg = select_config(M, N, K, a.dtype, a.device, async_input is not None, heavy_epilogue)
     if split_k == _AUTO_SPLIT:
         split_k = auto_split_k(M, N, K, cfg, a.device)
     k_per_split = cdiv(cdiv(K, split_k), cfg.block_k) * cfg.block_k if K else cfg.block_k
     split_k = max(1, cdiv(K, k_per_split))
+    if split_k > 1:
+        tail = None
 
     plan = _Plan()
-    plan.cfg, plan.split_k = cfg, split_k
+    plan.cfg, plan.split_k, plan.tail = cfg, split_k, tail
+    # with a row tail this launch computes rows [0, tail.rows) only; _launch_tail the rest
+    rows = tail.rows if tail is not None else M
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
     use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
@@ -287,9 +297,9 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     plan.cfg = cfg
     flatten = cfg.flatten and _can_flatten(cfg, a, slices, plan.c_desc is not None, heavy_epilogue)
 
-    num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
+    num_tiles = cdiv(rows, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
     plan.num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
-    plan.ints = (M, N, K, k_per_split, plan.num_programs,
+    plan.ints = (rows, N, K, k_per_split, plan.num_programs,
                  a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     sbm, sbn = _bcast_strides(bias, M, N)
     plan.epilogue_strides = (_vec_stride(scale_a), _vec_stride(scale_b), sbm, sbn,
@@ -408,27 +418,30 @@ def _epilogue_plan(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Ten
 
 
 def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-            async_input=None, trace=None) -> None:
+            async_input=None, trace=None, cfg=None) -> None:
     """``async_input``: None, or (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins)
     and optionally the error table to record timeouts in (tk.dist: its workspace's). ``signal_value``
     may be an int32 device tensor of one element, read by the kernel when it runs (tk.dist's epoch).
-    ``trace``: a ``dist.trace.DeviceTrace`` to record per-program wait/compute spans in, or None."""
+    ``trace``: a ``dist.trace.DeviceTrace`` to record per-program wait/compute spans in, or None.
+    ``cfg``: a config taken as it is, with no row tail (``_launch_tail``'s own launch)."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     if not on_current_device(a):
         with torch.cuda.device(a.device):  # triton launches on the current device
             return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-                           async_input, trace)
+                           async_input, trace, cfg)
     own_errors = async_input is not None and len(async_input) > 5
     if async_input is not None and not own_errors:
         check_errors(a.device, "chunk")  # an earlier call's timeout that has landed by now
     key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
     if trace is not None:
         key += (trace.max_events,)
+    if cfg is not None:
+        key += (cfg,)
     plan = _PLANS.get(key)
     if plan is None:
         plan = cache_put(_PLANS, key, _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
-                                                 split_k, async_input, trace), _MAX_PLANS)
+                                                 split_k, async_input, trace, cfg), _MAX_PLANS)
 
     if plan.use_tma:
         if a.is_cuda:
@@ -467,8 +480,24 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
             partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args,
             SPLIT_K=plan.split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags, num_warps=4,
         )
+    if plan.tail is not None:
+        _launch_tail(plan.tail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b)
     if async_input is not None and not own_errors and not a.is_cuda:
         check_errors(a.device, "chunk")  # the interpreter has finished the kernel: report at once
+
+
+def _launch_tail(tail: RowTail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b) -> None:
+    """Rows ``[tail.rows, M)`` in ``tail.config``: the same GEMM over row views of A, C and every epilogue operand
+    that has M rows (broadcast ones as they are), so the main launch's plan and this one's are cached apart."""
+    lo, M = tail.rows, a.shape[0]
+
+    def rows(t):
+        return t if t is None or t.dim() < 2 or t.shape[0] != M else t[lo:]
+
+    if isinstance(scale_a, torch.Tensor) and scale_a.numel() == M and M > 1:
+        scale_a = scale_a.reshape(-1)[lo:]
+    _launch(a[lo:], b, c[lo:], rows(bias), rows(residual), [rows(m) for m in mul], activation, alpha, beta, scale_a,
+            scale_b, 1, cfg=tail.config)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -266,7 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", default="RR", choices=LAYOUTS,
                         help="A and B storage: R row-major, C column-major (a transposed view); default RR")
     parser.add_argument("--variants", default="plain,epilogue",
-                        help=f"plain, medium ({MEDIUM}), epilogue ({EPILOGUE}) and/or async ({ASYNC}); default plain,epilogue")
+                        help=f"plain, medium ({MEDIUM}), epilogue ({EPILOGUE}) and/or async ({ASYNC}); "
+                        "default plain,epilogue")
     parser.add_argument("--split-k", default="1",
                         help="tk.gemm split_k: one value for bench (1, N or auto), a comma list for --sweep")
     parser.add_argument("--no-prune", action="store_true",

@@ -220,7 +220,7 @@ class RowTail:
 # 3072x3072x4096 2 large waves 99-102 us, their leftover 256 rows as one large wave 42 us, in 128x128 tiles 21.6 us,
 # in 64x128 tiles 15.5 us; 6144x3072x4096: 4 large waves 197-208 us, the leftover 512 rows in 128x128 tiles 23.4 us;
 # a full medium wave at K 4096 26.6-27.5 us. The tail's launch costs TAIL_LAUNCH_US more, and the split is taken only
-# where the model says it saves TAIL_MIN_GAIN of the best single launch's time. Tail against single launch (same
+# where the model says it saves TAIL_MIN_GAIN of select_config's single launch. Tail against single launch (same
 # process, 3 interleaved rounds, eager / CUDA graphs; outputs bit-identical to the single launch in every case):
 # 3072x3072x4096 +7% / +12-14%, 3000x3000x4096 +27% / +20-25%, 6144x3072x4096 +7% / +8-20%, 4096x4608x4096 +3-5% /
 # +6-12%, 1536x6144x4096 +0-1% / +1-7%, 5120x5120x4096 +1% / +0-4%; bias+gelu+residual 3072x3072x4096 +15-17%,

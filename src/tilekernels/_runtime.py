@@ -262,6 +262,17 @@ def offset_i64(index, stride):
 
 
 @triton.jit
+def known_multiple(value, DIV: tl.constexpr):
+    """``value`` (a multiple of ``DIV``, which the host has checked) in a form whose alignment the compiler
+    sees: triton marks integer arguments divisible by 16 and no others, so a row stride (or a K-loop bound) of
+    8 bf16 elements mod 16 would otherwise leave every row's loads (or their masks) unvectorised. ``DIV`` 1 is
+    a no-op (a unit stride that triton has made the constant 1 stays 1)."""
+    if DIV > 1:
+        return (value // DIV) * DIV
+    return value
+
+
+@triton.jit
 def cast_for_store(x, dtype: tl.constexpr):
     """``x.to(dtype)`` rounding to nearest-even everywhere.
 

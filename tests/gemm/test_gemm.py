@@ -312,6 +312,53 @@ def test_general_strided_input_is_correct_or_refused(device):
         check("strided-a", out, a, b)
 
 
+def padded(rows, cols, dtype, device, *, column_major=False, pad=8):
+    """A random ``[rows, cols]`` view of a wider buffer: its row (or, column-major, column) stride is the
+    contiguous extent plus ``pad`` (8 elements: 16 bytes in bf16, not 32), and the padding is NaN, so a load
+    that strays past the view's last row or column into it shows up in any output element that it reaches."""
+    inner, outer = (rows, cols) if column_major else (cols, rows)
+    buf = torch.full((outer, inner + pad), float("nan"), dtype=dtype, device=device)
+    view = buf[:, :inner]
+    view.copy_(random_tensor((outer, inner), dtype, device))
+    return view.t() if column_major else view
+
+
+def pointer_path_cases(device):
+    """Pointer-path launches (TMA off) whose edges cut the load vectors: M and N one element past a multiple of
+    8, strides 8 mod 16 elements, a K tail; each layout, on the interpreter's small tile or the table's medium."""
+    if device.type == "cuda":
+        cfg, (M, N, K) = GemmConfig(128, 128, 64, 8, 4, 3), (385, 393, 1000)
+    else:
+        cfg, (M, N, K) = GemmConfig(32, 32, 32, 2, 4, 1), (41, 49, 72)
+    return cfg, M, N, K
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_pointer_path_padded_strides(layout, dtype, device):
+    """The pointer path's loads are marked contiguous past the clamp of rows beyond M and columns beyond N and
+    aligned by the strides' and the K bound's known divisors (``gemm_kernel``): a vector that crosses M or N reads
+    the view's padding, which is NaN here. Every output element is checked, and the poisoned out shows any not
+    written; with and without split-K."""
+    cfg, M, N, K = pointer_path_cases(device)
+    if device.type != "cuda" and dtype == torch.float32:
+        K = 40  # keep the fp32 interpreter case short
+    a = padded(M, K, dtype, device, column_major=layout[0] == "C")
+    b = padded(K, N, dtype, device, column_major=layout[1] == "C")
+    for split_k in (1, 3):  # split-K: each split's K range ends at a multiple of its own length, or at K
+        out = poisoned((M, N), dtype, device)
+        tk.gemm(a, b, out=out, config=cfg, split_k=split_k)
+        check(f"pointer-padded-split{split_k}-{case_id(layout, dtype, M, N, K)}", out, a, b)
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_gpu_pointer_path_padded_strides(layout, dtype, device):
+    """``test_pointer_path_padded_strides`` compiled: the vectors are real on a GPU (the interpreter has none)."""
+    test_pointer_path_padded_strides(layout, dtype, device)
+
+
 def misaligned(M, N, dtype, device, column_major=False):
     """A random ``[M, N]`` matrix whose first element sits one element past a 16-byte boundary."""
     numel = M * N

@@ -12,8 +12,10 @@ Operand loads:
   column-major (``A_TRANS``) is described as the ``[K, M]`` tensor it really is and each ``[BK, BM]``
   box is transposed in registers/shared memory (no copy in global memory); likewise B stored as
   ``[N, K]`` (``B_TRANS``). Out-of-range rows and K columns are zero-filled by the copy engine.
-- otherwise plain pointer loads: rows past M and columns past N are clamped to row/column 0 (read but
-  never stored), and only the K tail is masked (``EVEN_K`` drops the mask).
+- otherwise plain pointer loads (every launch before Hopper; on Hopper an operand TMA cannot read): rows
+  past M and columns past N are clamped to row/column 0 (read but never stored), and only the K tail is
+  masked (``EVEN_K`` drops the mask). Hints keep those loads in 16-byte vectors: the clamped offsets are
+  marked contiguous, and ``DIV_*`` pass what the host knows of each stride's and K's divisors.
 
 Epilogue order (DESIGN.md): ``acc*alpha*scale_a*scale_b + bias -> activation -> * mul... ->
 + beta*residual -> cast``. Every ``[M, N]``-shaped epilogue operand is addressed through its strides,
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .._runtime import (INTERPRET, TRACE_COMPUTE, TRACE_WAIT, cast_for_store, compensated_dot, dot, offset_i64,
-                        trace_clock, trace_event)
+                        known_multiple, trace_clock, trace_event)
 from .scheduler import tile_coords, wait_for_rows
 
 
@@ -204,6 +206,7 @@ def gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_TMA: tl.constexpr, A_TRANS: tl.constexpr, B_TRANS: tl.constexpr, EVEN_K: tl.constexpr,
+    DIV_AM: tl.constexpr, DIV_AK: tl.constexpr, DIV_BK: tl.constexpr, DIV_BN: tl.constexpr, DIV_K: tl.constexpr,
     ACC_INT: tl.constexpr, FP32_PRECISION: tl.constexpr, COMPENSATED: tl.constexpr,
     FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EPILOGUE_SLICES: tl.constexpr,
     C_DESC: tl.constexpr, RES_DESC: tl.constexpr,
@@ -288,20 +291,30 @@ def gemm_kernel(
                 else:
                     acc = dot(a_tile, b_tile, acc, FP32_PRECISION)  # [BM, BK] @ [BK, BN] -> [BM, BN]
         else:
+            # Rows past M and columns past N read row / column 0 (never stored). The hints keep the
+            # compiler's view of each as one contiguous, aligned run: the clamp alone hides that, and a
+            # layout whose unit stride runs along M or N then loads element by element (bf16, H100, CUDA
+            # graphs, 2026-11-25: RR 8192^2 x 4096 53 -> 593-602 TFLOP/s, CC 4096^3 295 -> 551-554; the
+            # stride and K hints: RC 3072^2 x 3000 14 -> 287-290). A vector the clamp would have split
+            # reads on past M or N inside its own aligned 16 bytes: still inside the allocation, and its
+            # extra values are never stored. The DIV_* hints do the same for the strides and the K tail's
+            # mask (triton itself marks only multiples of 16), so rows that start 16 bytes apart load in
+            # 16-byte vectors.
             offs_am = off_m + tl.arange(0, BLOCK_M)
             offs_bn = off_n + tl.arange(0, BLOCK_N)
-            offs_am = tl.where(offs_am < M, offs_am, 0)
-            offs_bn = tl.where(offs_bn < N, offs_bn, 0)
-            a_ptrs = (a_src + offset_i64(offs_am - row0, stride_am)[:, None]
-                      + offset_i64(k_start + offs_k, stride_ak)[None, :])
-            b_ptrs = (b + offset_i64(k_start + offs_k, stride_bk)[:, None]
-                      + offset_i64(offs_bn, stride_bn)[None, :])
+            offs_am = tl.max_contiguous(tl.multiple_of(tl.where(offs_am < M, offs_am, 0), BLOCK_M), BLOCK_M)
+            offs_bn = tl.max_contiguous(tl.multiple_of(tl.where(offs_bn < N, offs_bn, 0), BLOCK_N), BLOCK_N)
+            a_ptrs = (a_src + offset_i64(offs_am - row0, known_multiple(stride_am, DIV_AM))[:, None]
+                      + offset_i64(k_start + offs_k, known_multiple(stride_ak, DIV_AK))[None, :])
+            b_ptrs = (b + offset_i64(k_start + offs_k, known_multiple(stride_bk, DIV_BK))[:, None]
+                      + offset_i64(offs_bn, known_multiple(stride_bn, DIV_BN))[None, :])
+            k_stop = known_multiple(k_end, DIV_K)
             for ki in range(k_tiles):
                 if EVEN_K:
                     a_tile = tl.load(a_ptrs)
                     b_tile = tl.load(b_ptrs)
                 else:
-                    k_left = k_end - k_start - ki * BLOCK_K
+                    k_left = k_stop - k_start - ki * BLOCK_K
                     a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
                     b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
                 if COMPENSATED:

@@ -8,6 +8,7 @@ implementations -> autograd -> the public function.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Optional, Sequence
 
@@ -182,6 +183,21 @@ def _tma_view(t: torch.Tensor):
     return None
 
 
+def _stride_div(stride: int) -> int:
+    """The largest power of two up to 16 that divides ``stride`` (1 for 0 and 1): the pointer path's alignment
+    hint for that stride or K bound (``_runtime.known_multiple``)."""
+    return 1 if stride <= 1 else min(16, stride & -stride)
+
+
+def _pointer_hints(a: torch.Tensor, b: torch.Tensor, K: int, k_per_split: int, use_tma: bool) -> dict:
+    """The pointer path's alignment hints (``DIV_*``; all 1 with TMA operands, so those launches do not compile
+    apart by their strides' low bits)."""
+    if use_tma:
+        return dict(DIV_AM=1, DIV_AK=1, DIV_BK=1, DIV_BN=1, DIV_K=1)
+    return dict(DIV_AM=_stride_div(a.stride(0)), DIV_AK=_stride_div(a.stride(1)), DIV_BK=_stride_div(b.stride(0)),
+                DIV_BN=_stride_div(b.stride(1)), DIV_K=_stride_div(math.gcd(K, k_per_split)))
+
+
 def _descriptor(view: torch.Tensor, block_shape):
     """A validated descriptor template for ``view``'s shape, strides and alignment (``rebase`` puts each
     call's tensor under it)."""
@@ -325,6 +341,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         SPLIT_K=split_k,
         USE_TMA=use_tma, A_TRANS=plan.a_trans, B_TRANS=plan.b_trans, EVEN_K=K % cfg.block_k == 0,
+        **_pointer_hints(a, b, K, k_per_split, use_tma),
         ACC_INT=plan.acc_int, FP32_PRECISION=precision,
         COMPENSATED=a.dtype == torch.float32 and precision == "ieee",
         # A traced launch keeps the loops apart: its clock reads in the fused loop stop triton from

@@ -12,6 +12,8 @@
 - Every test starts from a seed derived from its node id, so it is reproducible alone or in a run.
 - ``poison_allocations`` fixture: every uninitialised tensor torch allocates comes NaN-filled, for ops
   that allocate their own outputs (no ``out=`` to poison).
+- ``compile_in_child`` fixture: runs a test file as a script in a child process that compiles kernels for
+  sm_90 (no ``TRITON_INTERPRET``, an empty triton cache) and returns the JSON it prints.
 """
 
 from __future__ import annotations
@@ -93,3 +95,27 @@ def poison_allocations():
     finally:
         torch.use_deterministic_algorithms(old_mode, warn_only=old_warn)
         torch.utils.deterministic.fill_uninitialized_memory = old_fill
+
+
+@pytest.fixture(scope="session")
+def compile_in_child(tmp_path_factory):
+    """``run(script) -> dict``: run ``script`` with this checkout's ``src`` on the path, without
+    ``TRITON_INTERPRET`` (under the interpreter triton hands back interpreted functions, which cannot be
+    compiled) and with an empty triton cache (its key does not cover every module global a kernel reads, so a
+    cached binary could hide a kernel that no longer compiles); the dict is the JSON after ``RESULTS `` on the
+    last such line it prints."""
+    import json
+    import subprocess
+
+    def run(script) -> dict:
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
+        src = pathlib.Path(__file__).resolve().parents[1] / "src"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+        assert proc.returncode == 0 and lines, (f"the compile process failed:\n{proc.stdout[-3000:]}\n"
+                                                f"{proc.stderr[-3000:]}")
+        return json.loads(lines[-1].removeprefix("RESULTS "))
+
+    return run

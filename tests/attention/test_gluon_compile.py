@@ -16,10 +16,6 @@ cases' output.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -205,7 +201,7 @@ def _main() -> None:
     from tilekernels.attention import _fwd
 
     if not _fwd.HAVE_GLUON:
-        print(json.dumps({"skip": "this triton has no Gluon"}))
+        print("RESULTS " + json.dumps({"skip": "this triton has no Gluon"}))
         return
     jobs = {**{name: (_compile_forward, case) for name, case in FORWARD_CASES.items()},
             **{name: (_compile_backward, case) for name, case in BACKWARD_CASES.items()},
@@ -222,17 +218,8 @@ def _main() -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    # a fresh cache: triton's cache key does not cover every module global a kernel reads (an API shim,
-    # say), so a cached cubin could hide a kernel that no longer compiles
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    src = pathlib.Path(__file__).resolve().parents[2] / "src"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(("RESULTS ", "{"))]
-    assert proc.returncode == 0 and lines, f"the compile process failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = json.loads(lines[-1].removeprefix("RESULTS "))
+def compiled(compile_in_child) -> dict:
+    results = compile_in_child(__file__)
     if "skip" in results:
         pytest.skip(results["skip"])
     return results

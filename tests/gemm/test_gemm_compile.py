@@ -12,11 +12,7 @@ launch replaced by a capture of its arguments) and compiles it for sm_90 in a ch
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -92,15 +88,8 @@ def _main() -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    src = pathlib.Path(__file__).resolve().parents[2] / "src"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(src), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"the compile process failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1].removeprefix("RESULTS "))
+def compiled(compile_in_child) -> dict:
+    return compile_in_child(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -325,7 +325,7 @@ def padded(rows, cols, dtype, device, *, column_major=False, pad=8):
 
 def pointer_path_cases(device):
     """Pointer-path launches (TMA off) whose edges cut the load vectors: M and N one element past a multiple of
-    8, strides 8 mod 16 elements, a K tail; each layout, on the interpreter's small tile or the table's medium."""
+    8, strides 8 mod 16 elements, a K tail; each layout, on the interpreter's small tile or, on a GPU, 128x128."""
     if device.type == "cuda":
         cfg, (M, N, K) = GemmConfig(128, 128, 64, 8, 4, 3), (385, 393, 1000)
     else:

@@ -3,7 +3,7 @@ TMA cannot read) loads its operands in 16-byte vectors, checked in the PTX compi
 
 Before the pointer path's hints (``gemm_kernel``: the clamped row and column offsets marked contiguous, the
 strides and the K tail marked by ``known_multiple``), a layout whose unit stride runs along M or N, a row
-stride of 8 elements mod 16, or a K tail compiled to one 2-byte load per element (RR bf16 on an H100: 37-52
+stride of 8 elements mod 16, or a K tail compiled to one 2-byte load per element (bf16 on an H100 with TMA off: 14-53
 TFLOP/s). Each case here builds its launch exactly as ``tk.gemm`` does (``gemm._launch``, with the kernel's
 launch replaced by a capture of its arguments) and compiles it for sm_90 in a child process without
 ``TRITON_INTERPRET``, with an empty triton cache; run this file as a script to see the cases' output.

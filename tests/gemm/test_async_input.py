@@ -13,6 +13,7 @@ waiting GEMM occupies), in random order with random delays.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import random
 import time
 
@@ -203,6 +204,139 @@ def test_pivot_rows_read_from_a_local(dtype, config, device):
     assert not async_local_fits(a, b, a[:rows - 1].clone(), rows)
 
 
+def _force_async_tail(monkeypatch, main: GemmConfig, tail: GemmConfig, rows: int):
+    """Make every async-input plan made from here on ask for a row tail of ``M - rows`` rows (the interpreter's own
+    plan never splits); returns the tail launches' row ranges as they happen."""
+    from tilekernels.gemm import configs
+
+    gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
+
+    real_plan = gemm_mod.select_plan
+
+    def plan(M, N, K, dtype, device, heavy_epilogue=False, async_input=False):
+        if not async_input:
+            return real_plan(M, N, K, dtype, device, heavy_epilogue)
+        return (main, configs.RowTail(rows, tail)) if M > rows else (main, None)
+
+    monkeypatch.setattr(gemm_mod, "select_plan", plan)
+    monkeypatch.setattr(gemm_mod, "_PLANS", {})
+    spans = []
+    real = gemm_mod._launch_tail
+
+    def record(*args):
+        spans.append(tuple(args[12:14]))
+        return real(*args)
+
+    monkeypatch.setattr(gemm_mod, "_launch_tail", record)
+    return spans
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+@pytest.mark.parametrize("chunking", CHUNKINGS, ids=str)
+def test_row_tail_is_the_last_pivoted_rows(chunking, tma, monkeypatch, device):
+    """An async row tail (forced here): the main launch walks the pivoted row tiles but the last ``skip``, and a
+    second launch in a smaller tile computes those rows, which are the ones just before the pivot tile (or A's
+    last rows with pivot 0), waiting for their chunks as rows of A. Bit-identical to tk.gemm for every pivot and
+    every chunking; where those rows would wrap around the end of A (a pivot tile inside the first ``skip``) it is
+    one launch, as without a tail."""
+    main = GemmConfig(32, 32, 32, 2, 4, 1, use_tma=tma)
+    tail = GemmConfig(16, 32, 32, 2, 4, 1, use_tma=tma)
+    rows = CHUNKINGS[chunking]
+    for main_rows in (64, 32):   # skip 1 and 2 of the 3 row tiles
+        spans = _force_async_tail(monkeypatch, main, tail, main_rows)
+        skip = 3 - main_rows // 32
+        for layout, dtype in (("RR", torch.float32), ("CC", torch.float16)):
+            a, b = operands(layout, dtype, device)
+            plain = tk.gemm(a, b, config=main)
+            signals = torch.full((num_chunks(rows),), 5, dtype=torch.int32, device=device)
+            for pivot in range(signals.numel()):
+                spans.clear()
+                out = poisoned((M, N), dtype, device)
+                tk.async_input_mm(a, b, signals, pivot, signal_value=5, out=out) if rows * signals.numel() == M else \
+                    tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(signals, rows, pivot, 5))
+                assert torch.equal(out, plain), f"pivot {pivot}, skip {skip}: differs from tk.gemm"
+                pivot_tile = pivot * rows // 32
+                if pivot_tile == 0:
+                    assert spans == [(M - skip * 32, M)], (pivot, skip, spans)
+                elif pivot_tile < skip:
+                    assert spans == [], (pivot, skip, spans)
+                else:
+                    assert spans == [((pivot_tile - skip) * 32, pivot_tile * 32)], (pivot, skip, spans)
+    # the main launch alone (the tail switched off) leaves exactly the tail's rows unwritten
+    gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
+    monkeypatch.setattr(gemm_mod, "_launch_tail", lambda *args: spans.append(tuple(args[12:14])))
+    a, b = operands("RR", torch.float32, device)
+    plain = tk.gemm(a, b, config=main)
+    for pivot in range(num_chunks(rows)):
+        spans.clear()
+        out = poisoned((M, N), torch.float32, device)
+        tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(torch.ones(num_chunks(rows), dtype=torch.int32,
+                                                                              device=device), rows, pivot))
+        left = torch.zeros(M, dtype=torch.bool, device=device)
+        for lo, hi in spans:
+            left[lo:hi] = True
+        assert torch.equal(out[~left], plain[~left]) and out[left].isnan().all(), (pivot, spans)
+
+
+def test_row_tail_missing_chunk(monkeypatch, device):
+    """A chunk that never arrives, with an async row tail: TimeoutError names it (after both launches), the tiles
+    of either launch that touch it are skipped and the rest is exact; the tail's own tiles are 16 rows."""
+    main = GemmConfig(32, 32, 32, 2, 4, 1)
+    tail = GemmConfig(16, 32, 32, 2, 4, 1)
+    spans = _force_async_tail(monkeypatch, main, tail, 64)
+    rows = 24
+    a_full, b = operands("RC", torch.float32, device)
+    plain = tk.gemm(a_full, b, config=main)
+    chunks = num_chunks(rows)
+    for missing in range(chunks):
+        for pivot in range(chunks):
+            spans.clear()
+            a = a_full.clone()
+            lost = chunk_rows(missing, rows, M)
+            a[lost] = float("nan")
+            signals = torch.ones(chunks, dtype=torch.int32, device=device)
+            signals[missing] = 0
+            out = torch.full((M, N), 777.0, device=device)
+            with pytest.raises(TimeoutError, match=rf"chunk\(s\) {missing} "):
+                tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(signals, rows, pivot, max_spins=2))
+            assert len(spans) == 1
+            lo, hi = spans[0]
+            tiles = [range(t, min(M, t + 32)) for t in range(0, M, 32) if not lo <= t < hi]
+            tiles += [range(t, min(hi, t + 16)) for t in range(lo, hi, 16)]
+            skipped = torch.zeros(M, dtype=torch.bool)
+            for tile in tiles:
+                if any(lost.start <= r < lost.stop for r in tile):
+                    skipped[tile.start:tile.stop] = True
+            kept = ~skipped.to(device)
+            assert torch.equal(out[kept], plain[kept]), f"missing {missing}, pivot {pivot}: arrived rows differ"
+            assert (out[~kept] == 777.0).all(), f"missing {missing}, pivot {pivot}: a skipped tile was written"
+
+
+def test_row_tail_plan(monkeypatch):
+    """configs.select_plan for the async kernel on a 132-SM Hopper: 4096x3584x8192 (issue 3's shape whose
+    single launch leaves a part-full last wave) takes the large tile over 3584 rows and a tail, as tk.gemm does;
+    the other issue-3 shapes keep their single launch; gemm.py places the tail before the pivot tile."""
+    from tilekernels.gemm import configs
+    from tilekernels.gemm.gemm import _async_tail_span
+
+    monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)
+    hopper = torch.device("cuda", 0)
+    large = configs.TUNED_HOPPER_16BIT["large"]
+    cfg, tail = configs.select_plan(4096, 3584, 8192, torch.bfloat16, hopper, async_input=True)
+    assert cfg.block_m == large.block_m and cfg.block_n == large.block_n
+    assert cfg.group_m == configs.ASYNC_LARGE_GROUP_M
+    assert tail == configs.RowTail(3584, configs.TUNED_HOPPER_16BIT["medium"])
+    for shape in ((8192, 3584), (16384, 3584), (4096, 8192), (8192, 8192), (16384, 8192)):
+        assert configs.select_plan(*shape, 8192, torch.bfloat16, hopper, async_input=True) == (
+            configs.select_config(*shape, 8192, torch.bfloat16, hopper, True), None), shape
+    # two chunks of 2048 rows, the bench's pivot 1: the tail is rows [1536, 2048)
+    assert _async_tail_span(4096, 128, 3584, 2048) == (4, (1536, 2048))
+    assert _async_tail_span(4096, 128, 3584, 0) == (4, (3584, 4096))
+    assert _async_tail_span(4096, 128, 3584, 256) == (4, None)
+    assert _async_tail_span(4000, 128, 3584, 0) == (4, (3584, 4000))
+
+
 def test_torch_compile(device):
     a, b = operands("RR", torch.float32, device)
     signals = torch.ones(3, dtype=torch.int32, device=device)
@@ -343,6 +477,36 @@ def test_gpu_pivot_rows_from_a_local(m, n, device):
         torch.cuda.synchronize()
         assert not errors.any(), f"epoch {epoch}: a wait gave up"
         assert torch.equal(out, expected), f"epoch {epoch}: differs from tk.gemm"
+
+
+@gpu
+@pytest.mark.parametrize("chunks", [2, 8])
+def test_gpu_row_tail_with_producer(chunks, device):
+    """Issue 3's 4096x3584x8192, where the async kernel's plan (configs.select_plan) puts the last pivoted rows in
+    a second launch of 128x128 tiles: the producer races both launches, 30 calls, the pivot moving; bit-exact with
+    tk.gemm (whose own plan has the same configs) every time."""
+    from tilekernels.gemm import configs
+
+    m, n, k = 4096, 3584, 8192
+    if configs.select_plan(m, n, k, torch.bfloat16, device, async_input=True)[1] is None:
+        pytest.skip(f"no async row tail at {m}x{n}x{k} on {configs.sm_count(device)} SMs")
+    gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
+    host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
+    b = random_matrix(k, n, torch.bfloat16, device, column_major=True)
+    expected = tk.gemm(host_a.to(device), b)
+    signals = torch.zeros(chunks, dtype=torch.int32, device=device)
+    producer = ChunkProducer(host_a, m // chunks, signals, seed=chunks)
+    a = torch.empty(m, k, dtype=torch.bfloat16, device=device)
+    for epoch in range(1, 31):
+        a.fill_(float("nan"))
+        producer.stream.wait_stream(torch.cuda.current_stream())
+        out = tk.async_input_mm(a, b, signals, chunk_pivot=epoch % chunks, signal_value=epoch)
+        producer.produce(a, epoch, max_delay_s=0.002)
+        torch.cuda.current_stream().wait_stream(producer.stream)
+        torch.cuda.synchronize()
+        tk.raise_pending_errors()
+        assert torch.equal(out, expected), f"epoch {epoch}: differs from tk.gemm"
+    assert any(p.tail_span is not None for p in gemm_mod._PLANS.values())
 
 
 @gpu

@@ -251,10 +251,11 @@ def _default_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.de
                     async_input: bool = False, heavy_epilogue: bool = False) -> str:
     from ..gemm.configs import describe_plan, select_config, select_plan
 
-    if async_input or split_k != 1:
+    if split_k != 1:
         text = select_config(M, N, K, dtype, device, async_input, heavy_epilogue).describe()
     else:
-        text = describe_plan(*select_plan(M, N, K, dtype, device, heavy_epilogue))
+        # (an async tail's rows are the last in the pivoted order, not the last of A)
+        text = describe_plan(*select_plan(M, N, K, dtype, device, heavy_epilogue, async_input))
     return text if split_k == 1 else f"{text} split_k={split_k}"
 
 

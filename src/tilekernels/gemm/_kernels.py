@@ -200,7 +200,7 @@ def gemm_kernel(
     mul0_ptr, stride_mul0_m, stride_mul0_n,
     mul1_ptr, stride_mul1_m, stride_mul1_n,
     res_ptr, stride_res_m, stride_res_n,
-    signals, errors, rows_per_chunk, pivot_tile_m, signal_value, max_spins,
+    signals, errors, rows_per_chunk, pivot_tile_m, tiles_m_skip, wait_row0, signal_value, max_spins,
     a_local, local_lo, local_hi,
     trace_events, trace_clock_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -223,7 +223,9 @@ def gemm_kernel(
         signal_value = tl.load(signal_value, volatile=True).to(tl.int64)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = tiles_m * tiles_n * SPLIT_K
+    # tiles_m_skip: the last pivoted M tiles, which an async row tail computes (gemm.py); 0 otherwise
+    tiles_m_run = tiles_m - tiles_m_skip
+    num_tiles = tiles_m_run * tiles_n * SPLIT_K
     acc_dtype = tl.int32 if ACC_INT else tl.float32
     offs_k = tl.arange(0, BLOCK_K)
     k_tiles_all = tl.cdiv(K, BLOCK_K)
@@ -233,7 +235,7 @@ def gemm_kernel(
     tile_id_c = pid - num_programs
     trace_slot = 0
     for tile_id in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n, pid_k = tile_coords(tile_id, tiles_m, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT)
+        pid_m, pid_n, pid_k = tile_coords(tile_id, tiles_m_run, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT, tiles_m)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         if SPLIT_K == 1:
@@ -255,8 +257,9 @@ def gemm_kernel(
             # whose chunk never came keeps its K loop (a fixed trip count keeps the loop fusable) but
             # reads from row M on (TMA zero-fills them; the pointer path clamps them to row 0) and
             # stores nothing.
-            ready = wait_for_rows(signals, errors, off_m, min(M, off_m + BLOCK_M), rows_per_chunk,
-                                  signal_value, max_spins)
+            # (wait_row0: where this launch's row 0 sits in A, for a row tail launched on a row view of it)
+            ready = wait_for_rows(signals, errors, wait_row0 + off_m, wait_row0 + min(M, off_m + BLOCK_M),
+                                  rows_per_chunk, signal_value, max_spins)
             off_m = tl.where(ready, off_m, M)
             rows_valid = tl.where(ready, M, 0)
             if TRACE:
@@ -325,7 +328,7 @@ def gemm_kernel(
                 b_ptrs += BLOCK_K * stride_bk
 
         tile_id_c += num_programs
-        pid_m, pid_n, pid_k = tile_coords(tile_id_c, tiles_m, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT)
+        pid_m, pid_n, pid_k = tile_coords(tile_id_c, tiles_m_run, tiles_n, GROUP_M, pivot_tile_m, ASYNC_INPUT, tiles_m)
         offs_cm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLIT_K > 1:

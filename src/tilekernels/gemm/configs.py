@@ -256,15 +256,23 @@ def _row_tail_cost(M: int, N: int, main: GemmConfig, tail: GemmConfig, costs: di
 
 
 def select_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device,
-                heavy_epilogue: bool = False) -> tuple[GemmConfig, RowTail | None]:
+                heavy_epilogue: bool = False, async_input: bool = False) -> tuple[GemmConfig, RowTail | None]:
     """``select_config``'s choice, or a split of the rows into a main launch of whole waves and a tail in a
     smaller tile (``RowTail``) where the model above says that saves at least ``TAIL_MIN_GAIN``: plain or heavy
     16-bit medium and large problems on Hopper (a heavy epilogue keeps the large tile for its main launch). An
-    active ``override_config`` takes no tail."""
-    cfg = select_config(M, N, K, dtype, device, False, heavy_epilogue)
+    active ``override_config`` takes no tail.
+
+    ``async_input``: for the async-input kernel (its large tile with ``ASYNC_LARGE_GROUP_M``). There the tail is
+    the last ``M - rows`` rows in the pivoted order, not the last rows of A (gemm.py places them); the model is the
+    same. Measured on the H100 (bf16, 4096x3584x8192, signals preset, CUDA graphs, 2026-11-25): tk.gemm's plan
+    (the large tile over 3584 rows, 512 rows of 128x128 tiles after) ran 676-699 TFLOP/s in single rounds, RC and RR,
+    against 646-667 for the async kernel's single launch of 128x128 tiles."""
+    cfg = select_config(M, N, K, dtype, device, async_input, heavy_epilogue)
     if _override or device.type != "cuda" or dtype.itemsize != 2 or capability(device)[0] < 9 or K < 1:
         return cfg, None
-    table = TUNED_HOPPER_16BIT
+    table = dict(TUNED_HOPPER_16BIT)
+    if async_input:
+        table["large"] = dataclasses.replace(table["large"], group_m=ASYNC_LARGE_GROUP_M)
     costs = {table[name]: cost for name, cost in TAIL_WAVE_COST.items()}
     if cfg not in (table["medium"], table["large"]):
         return cfg, None

@@ -231,7 +231,7 @@ class _Plan:
 
     __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "c_desc", "res_desc",
                  "num_programs", "ints", "epilogue_strides", "async_ints", "epilogue_flags", "acc_int", "kernel",
-                 "local_desc", "local_ints", "tail")
+                 "local_desc", "local_ints", "tail", "tail_span")
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -266,15 +266,20 @@ def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
 
 
 def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
-               trace=None, cfg=None) -> _Plan:
+               trace=None, cfg=None, wait_row0=0) -> _Plan:
     """``cfg``: the config to take as it is (a row tail's launch, ``_launch_tail``); None picks one, and may split
-    the rows into a main launch and a tail (``configs.select_plan``)."""
+    the rows into a main launch and a tail (``configs.select_plan``). ``wait_row0``: where A's row 0 sits in the
+    rows the async-input signals count (an async row tail's launch on a row view)."""
     M, K = a.shape
     N = b.shape[1]
     heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
     tail = None
     if cfg is None and async_input is None and trace is None and split_k in (1, _AUTO_SPLIT):
         cfg, tail = select_plan(M, N, K, a.dtype, a.device, heavy_epilogue)
+    elif cfg is None and trace is None and split_k in (1, _AUTO_SPLIT) and len(async_input) == 5:
+        # tk.async_input_mm and tk.gemm(async_input=...); tk.dist's launches (own error table, local rows) take
+        # no tail
+        cfg, tail = select_plan(M, N, K, a.dtype, a.device, heavy_epilogue, async_input=True)
     elif cfg is None:
         cfg = select_config(M, N, K, a.dtype, a.device, async_input is not None, heavy_epilogue)
     if split_k == _AUTO_SPLIT:
@@ -283,11 +288,17 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     split_k = max(1, cdiv(K, k_per_split))
     if split_k > 1:
         tail = None
+    skip, span = 0, None
+    if tail is not None and async_input is not None:
+        skip, span = _async_tail_span(M, cfg.block_m, tail.rows, async_input[1] * async_input[2])
+        if span is None:   # the tail's rows would wrap around the end of A: one launch instead
+            cfg, tail, skip = select_config(M, N, K, a.dtype, a.device, True, heavy_epilogue), None, 0
 
     plan = _Plan()
-    plan.cfg, plan.split_k, plan.tail = cfg, split_k, tail
-    # with a row tail this launch computes rows [0, tail.rows) only; _launch_tail the rest
-    rows = tail.rows if tail is not None else M
+    plan.cfg, plan.split_k, plan.tail, plan.tail_span = cfg, split_k, tail, span
+    # with a row tail this launch computes rows [0, tail.rows) only, or with async input every pivoted row tile but
+    # the last `skip`; _launch_tail the rest
+    rows = tail.rows if tail is not None and span is None else M
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
     use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
@@ -313,7 +324,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     plan.cfg = cfg
     flatten = cfg.flatten and _can_flatten(cfg, a, slices, plan.c_desc is not None, heavy_epilogue)
 
-    num_tiles = cdiv(rows, cfg.block_m) * cdiv(N, cfg.block_n) * split_k
+    num_tiles = (cdiv(rows, cfg.block_m) - skip) * cdiv(N, cfg.block_n) * split_k
     plan.num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
     plan.ints = (rows, N, K, k_per_split, plan.num_programs,
                  a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
@@ -322,11 +333,12 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
                              *_bcast_strides(mul[0] if len(mul) > 0 else None, M, N),
                              *_bcast_strides(mul[1] if len(mul) > 1 else None, M, N),
                              *_bcast_strides(residual, M, N))
-    plan.async_ints = (0, 0)
+    plan.async_ints = (0, 0, 0, 0)
     plan.local_ints = (0, 0)
     if async_input is not None:
         rows_per_chunk, pivot_chunk = async_input[1], async_input[2]
-        plan.async_ints = (rows_per_chunk, pivot_chunk * rows_per_chunk // cfg.block_m)  # rows per chunk, pivot tile
+        # rows per chunk, pivot tile, pivoted row tiles left to a tail, A's row 0 in the signals' rows
+        plan.async_ints = (rows_per_chunk, pivot_chunk * rows_per_chunk // cfg.block_m, skip, wait_row0)
         if a_local is not None:
             plan.local_ints = (pivot_chunk * rows_per_chunk, pivot_chunk * rows_per_chunk + a_local.shape[0])
     plan.acc_int = a.dtype == torch.int8
@@ -435,7 +447,7 @@ def _epilogue_plan(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Ten
 
 
 def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-            async_input=None, trace=None, cfg=None) -> None:
+            async_input=None, trace=None, cfg=None, wait_row0=0) -> None:
     """``async_input``: None, or (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins)
     and optionally the error table to record timeouts in (tk.dist: its workspace's). ``signal_value``
     may be an int32 device tensor of one element, read by the kernel when it runs (tk.dist's epoch).
@@ -454,11 +466,11 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     if trace is not None:
         key += (trace.max_events,)
     if cfg is not None:
-        key += (cfg,)
+        key += (cfg, wait_row0)
     plan = _PLANS.get(key)
     if plan is None:
         plan = cache_put(_PLANS, key, _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
-                                                 split_k, async_input, trace, cfg), _MAX_PLANS)
+                                                 split_k, async_input, trace, cfg, wait_row0), _MAX_PLANS)
 
     if plan.use_tma:
         if a.is_cuda:
@@ -480,7 +492,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     epilogue_args = (alpha, beta, scale_a, ssa, scale_b, ssb, bias, sbm, sbn, mul0, sm0m, sm0n, mul1, sm1m, sm1n,
                      res_arg, srm, srn)
     if async_input is None:
-        wait_args = (None, None, 0, 0, 0, 0, None, 0, 0)
+        wait_args = (None, None, 0, 0, 0, 0, 0, 0, None, 0, 0)
     else:
         signals, _, _, signal_value, max_spins = async_input[:5]
         errors = async_input[5] if own_errors else error_table(a.device, signals.numel())
@@ -497,24 +509,53 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
             partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args,
             SPLIT_K=plan.split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags, num_warps=4,
         )
-    if plan.tail is not None:
+    if plan.tail is not None and plan.tail_span is not None:
+        # the async kernel's last pivoted rows, waited for as rows of A (the same error table: a timeout in
+        # either launch is reported below, or at the next call on a GPU)
+        lo, hi = plan.tail_span
+        _launch_tail(plan.tail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, lo, hi,
+                     (*async_input[:5], errors))
+    elif plan.tail is not None:
         _launch_tail(plan.tail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b)
     if async_input is not None and not own_errors and not a.is_cuda:
         check_errors(a.device, "chunk")  # the interpreter has finished the kernel: report at once
 
 
-def _launch_tail(tail: RowTail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b) -> None:
-    """Rows ``[tail.rows, M)`` in ``tail.config``: the same GEMM over row views of A, C and every epilogue operand
-    that has M rows (broadcast ones as they are), so the main launch's plan and this one's are cached apart."""
-    lo, M = tail.rows, a.shape[0]
+def _launch_tail(tail: RowTail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b,
+                 lo=None, hi=None, async_input=None) -> None:
+    """Rows ``[lo, hi)`` (default ``[tail.rows, M)``) in ``tail.config``: the same GEMM over row views of A, C and
+    every epilogue operand that has M rows (broadcast ones as they are), so the main launch's plan and this one's
+    are cached apart. ``async_input``: the main launch's, with its error table; the rows wait for their chunks
+    (no pivot: they are one range)."""
+    M = a.shape[0]
+    lo = tail.rows if lo is None else lo
+    hi = M if hi is None else hi
 
     def rows(t):
-        return t if t is None or t.dim() < 2 or t.shape[0] != M else t[lo:]
+        return t if t is None or t.dim() < 2 or t.shape[0] != M else t[lo:hi]
 
     if isinstance(scale_a, torch.Tensor) and scale_a.numel() == M and M > 1:
-        scale_a = scale_a.reshape(-1)[lo:]
-    _launch(a[lo:], b, c[lo:], rows(bias), rows(residual), [rows(m) for m in mul], activation, alpha, beta, scale_a,
-            scale_b, 1, cfg=tail.config)
+        scale_a = scale_a.reshape(-1)[lo:hi]
+    if async_input is not None:
+        signals, rows_per_chunk, _, signal_value, max_spins, errors = async_input
+        async_input = (signals, rows_per_chunk, 0, signal_value, max_spins, errors)
+    _launch(a[lo:hi], b, c[lo:hi], rows(bias), rows(residual), [rows(m) for m in mul], activation, alpha, beta,
+            scale_a, scale_b, 1, async_input, cfg=tail.config, wait_row0=lo)
+
+
+def _async_tail_span(M: int, block_m: int, rows: int, pivot_row: int) -> tuple[int, tuple[int, int] | None]:
+    """(pivoted row tiles the async main launch leaves, the rows ``[lo, hi)`` of A they are) for a tail that
+    takes ``M - rows`` rows. The main launch walks the M tiles from the pivot tile on, wrapping around, and stops
+    ``skip`` tiles short: those are the tiles just before the pivot tile. None for the rows where they wrap
+    around the end of A (a pivot tile inside the first ``skip``)."""
+    tiles_m = cdiv(M, block_m)
+    skip = tiles_m - rows // block_m
+    pivot_tile = pivot_row // block_m
+    if pivot_tile == 0:
+        return skip, ((tiles_m - skip) * block_m, M)
+    if pivot_tile < skip:
+        return skip, None
+    return skip, ((pivot_tile - skip) * block_m, pivot_tile * block_m)
 
 
 # ----------------------------------------------------------------------------------------------------

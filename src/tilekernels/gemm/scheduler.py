@@ -32,6 +32,11 @@ once ``chunk_signals[c] >= signal_value``. The protocol, as the kernel runs it:
   is skipped (its K loop reads from row M on, which TMA zero-fills, and it stores nothing) and the
   program goes on with its other tiles; a later wait on a chunk already recorded gives up at once. The
   host raises ``TimeoutError`` naming the chunk.
+- A row tail (``configs.select_plan``, gemm.py): where the large tile's last wave would be part-full (issue 3's
+  4096x3584x8192 on 132 SMs), the launch stops ``tiles_m_skip`` pivoted row tiles short, and a second launch in a
+  smaller tile computes those rows: the ones just before the pivot tile, i.e. the last in the order, so the rows
+  that arrive last are still computed last. It runs on a row view of A and waits for their chunks as rows of A
+  (``wait_row0``); where those rows would wrap around the end of A the launch is not split.
 - Cost when every chunk has arrived: one acquire atomic per chunk per tile before its K loop (a 128x256
   tile over K = 8192 runs ~70 us; the poll is well under 1 us). When the compiler fuses the K loop
   into the tile loop (split_k 1, see gemm.py ``_can_flatten``), the next tile's wait runs in the
@@ -56,9 +61,13 @@ DEFAULT_MAX_SPINS_INTERPRETER = 16
 
 
 @triton.jit
-def tile_coords(tile_id, tiles_m, tiles_n, GROUP_M: tl.constexpr, pivot_tile_m=0, PIVOT: tl.constexpr = False):
+def tile_coords(tile_id, tiles_m, tiles_n, GROUP_M: tl.constexpr, pivot_tile_m=0, PIVOT: tl.constexpr = False,
+                pivot_mod=0):
     """Work item -> (pid_m, pid_n, pid_k): K-split outermost, grouped raster inside; with ``PIVOT``,
-    pid_m is the pivoted M tile ``m_eff`` that every later use (wait, loads, stores) shares."""
+    pid_m is the pivoted M tile ``m_eff`` that every later use (wait, loads, stores) shares.
+
+    ``pivot_mod``: the M tiles the pivot rotates over, where a launch walks fewer (``tiles_m``: the async
+    kernel's main launch, whose last pivoted row tiles a row tail computes); 0 means ``tiles_m``."""
     tiles_mn = tiles_m * tiles_n
     pid_k = tile_id // tiles_mn
     tile_mn = tile_id % tiles_mn
@@ -69,7 +78,7 @@ def tile_coords(tile_id, tiles_m, tiles_n, GROUP_M: tl.constexpr, pivot_tile_m=0
     pid_m = first_m + (tile_mn % tiles_in_group) % group_size_m
     pid_n = (tile_mn % tiles_in_group) // group_size_m
     if PIVOT:
-        pid_m = (pid_m + pivot_tile_m) % tiles_m
+        pid_m = (pid_m + pivot_tile_m) % tl.where(pivot_mod > 0, pivot_mod, tiles_m)
     return pid_m, pid_n, pid_k
 
 

@@ -314,8 +314,9 @@ def test_row_tail_missing_chunk(monkeypatch, device):
 
 def test_row_tail_plan(monkeypatch):
     """configs.select_plan for the async kernel on a 132-SM Hopper: 4096x3584x8192 (issue 3's shape whose
-    single launch leaves a part-full last wave) takes the large tile over 3584 rows and a tail, as tk.gemm does;
-    the other issue-3 shapes keep their single launch; gemm.py places the tail before the pivot tile."""
+    single launch leaves a part-full last wave) takes the large tile over 3584 rows and a tail, as tk.gemm does,
+    and 16384x8192x8192 (31 waves and 4 tiles: the bar for long problems) its last 128 rows in 64x128 tiles; the
+    other issue-3 shapes keep their single launch; gemm.py places the tail before the pivot tile."""
     from tilekernels.gemm import configs
     from tilekernels.gemm.gemm import _async_tail_span
 
@@ -327,7 +328,11 @@ def test_row_tail_plan(monkeypatch):
     assert cfg.block_m == large.block_m and cfg.block_n == large.block_n
     assert cfg.group_m == configs.ASYNC_LARGE_GROUP_M
     assert tail == configs.RowTail(3584, configs.TUNED_HOPPER_16BIT["medium"])
-    for shape in ((8192, 3584), (16384, 3584), (4096, 8192), (8192, 8192), (16384, 8192)):
+    assert configs.select_plan(16384, 8192, 8192, torch.bfloat16, hopper, async_input=True) == (
+        cfg, configs.RowTail(16256, configs.TUNED_HOPPER_16BIT["skinny"]))
+    assert configs.select_plan(16384, 8192, 8192, torch.bfloat16, hopper) == (
+        large, configs.RowTail(16256, configs.TUNED_HOPPER_16BIT["skinny"]))
+    for shape in ((8192, 3584), (16384, 3584), (4096, 8192), (8192, 8192)):
         assert configs.select_plan(*shape, 8192, torch.bfloat16, hopper, async_input=True) == (
             configs.select_config(*shape, 8192, torch.bfloat16, hopper, True), None), shape
     # two chunks of 2048 rows, the bench's pivot 1: the tail is rows [1536, 2048)

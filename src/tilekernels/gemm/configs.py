@@ -232,6 +232,13 @@ TAIL_MIN_GAIN = 0.07
 # and only behind two whole waves or more: 2048x3072x8192 (one large wave, then 640 rows in 128x128 tiles, a
 # predicted 8%) measured 3-5% faster than its single launch eager but 5-7% slower under CUDA graphs.
 TAIL_MIN_WAVES = 2
+# Behind TAIL_LONG_WAVES whole waves or more the tail's fixed costs (its launch, a pipeline fill) are a small part of
+# the whole, and a smaller gain is taken: 16384x8192x8192 (31 large waves and 4 tiles on 132 SMs; the model says
+# 2.0% with 128 rows of 64x128 tiles after) measured +0.3% (RC) and +0.8% (RR) under CUDA graphs, 5 rounds each,
+# bit-identical (tk.gemm's rows split by hand; H100, bf16, 2026-11-25), where the async-input kernel trailed
+# torch's _async_input_mm by 0.2-0.5% in every graph run of that day (H100 and H200, both layouts).
+TAIL_LONG_WAVES = 16
+TAIL_MIN_GAIN_LONG = 0.015
 # bf16 tensor-core rate of one SM under load (H100: ~690 TFLOP/s over 132 SMs), to put TAIL_LAUNCH_US in waves
 _SM_FLOPS = 5.2e12
 
@@ -280,16 +287,18 @@ def select_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     launch = TAIL_LAUNCH_US * 1e-6 * _SM_FLOPS / (2.0 * 128 * 128 * K)
     best = cdiv(_tile_count(M, N, cfg), programs) * costs[cfg]
     choice: tuple[GemmConfig, RowTail | None] = (cfg, None)
-    bar = best * (1.0 - TAIL_MIN_GAIN)
+    chosen = best
     mains = (table["large"],) if heavy_epilogue else (table["large"], table["medium"])
     for main in mains:
+        long = _tile_count(M, N, main) // programs >= TAIL_LONG_WAVES
+        bar = best * (1.0 - (TAIL_MIN_GAIN_LONG if long else TAIL_MIN_GAIN))
         for name in ("medium", "skinny"):
             tail = table[name]
             if tail.block_m * tail.block_n >= main.block_m * main.block_n:
                 continue
             found = _row_tail_cost(M, N, main, tail, costs, programs, launch)
-            if found is not None and found[0] <= bar:
-                bar = found[0]
+            if found is not None and found[0] <= bar and found[0] < chosen:
+                chosen = found[0]
                 choice = (main, RowTail(found[1], tail))
     return choice
 

@@ -34,8 +34,8 @@ def test_variants_and_medium_shapes():
 
 
 def test_reported_config_names_the_row_tail(monkeypatch):
-    """The config a row reports is the launch plan: with a row tail both launches; split-K (which takes no tail)
-    and the async kernel their single config."""
+    """The config a row reports is the launch plan: with a row tail both launches (the async kernel's too, with its
+    own large tile); split-K (which takes no tail) its single config."""
     monkeypatch.setattr(configs, "capability", lambda device: (9, 0))
     monkeypatch.setattr(configs, "sm_count", lambda device: 132)
     hopper = torch.device("cuda", 0)
@@ -45,4 +45,7 @@ def test_reported_config_names_the_row_tail(monkeypatch):
     assert text == configs.describe_plan(cfg, tail) and f"rows<{tail.rows}" in text
     single = configs.select_config(3072, 3072, 4096, torch.bfloat16, hopper).describe()
     assert gemm._default_config(3072, 3072, 4096, torch.bfloat16, hopper, 2) == f"{single} split_k=2"
-    assert "rows<" not in gemm._default_config(3072, 3072, 4096, torch.bfloat16, hopper, 1, async_input=True)
+    text = gemm._default_config(3072, 3072, 4096, torch.bfloat16, hopper, 1, async_input=True)
+    assert text == configs.describe_plan(*configs.select_plan(3072, 3072, 4096, torch.bfloat16, hopper,
+                                                              async_input=True))
+    assert "rows<" in text and f" g{configs.ASYNC_LARGE_GROUP_M} " in text

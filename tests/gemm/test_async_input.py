@@ -104,25 +104,36 @@ def test_missing_chunk_times_out_and_the_rest_is_exact(layout, chunking, config,
     block_m = 32 if config is None else config.block_m
     for missing in range(chunks):
         for pivot in range(chunks):
-            a = a_full.clone() if layout[0] == "R" else a_full.t().clone().t()
-            lost = chunk_rows(missing, rows, M)
-            a[lost] = float("nan")
-            signals = torch.ones(chunks, dtype=torch.int32, device=device)
-            signals[missing] = 0
-            # not NaN: a skipped tile computed anyway from the NaN rows would also write NaN
-            out = torch.full((M, N), 777.0, device=device)
-            with pytest.raises(TimeoutError, match=rf"chunk\(s\) {missing} "):
-                tk.gemm(a, b, out=out, config=config,
-                        async_input=tk.AsyncInputScheduler(signals, rows, pivot, max_spins=2))
+            out, lost = _call_with_missing_chunk(a_full, b, rows, missing, pivot, device, config)
             # tiles are BLOCK_M rows: a tile touching the missing chunk is skipped whole
-            skipped = torch.zeros(M, dtype=torch.bool)
-            for t in range(-(-M // block_m)):
-                tile = range(t * block_m, min(M, (t + 1) * block_m))
-                if any(lost.start <= r < lost.stop for r in tile):
-                    skipped[t * block_m:(t + 1) * block_m] = True
-            kept = ~skipped.to(device)
-            assert torch.equal(out[kept], plain[kept]), f"missing {missing}, pivot {pivot}: arrived rows differ"
-            assert (out[~kept] == 777.0).all(), f"missing {missing}, pivot {pivot}: a skipped tile was written"
+            tiles = [range(t, min(M, t + block_m)) for t in range(0, M, block_m)]
+            _check_skipped_tiles(out, plain, lost, tiles, f"missing {missing}, pivot {pivot}")
+
+
+def _call_with_missing_chunk(a_full, b, rows, missing, pivot, device, config=None):
+    """tk.gemm with chunk ``missing`` never signalled and its rows of A NaN: TimeoutError names it. Returns the
+    output (777 where nothing was written) and the lost rows."""
+    a = a_full.clone() if a_full.stride(1) == 1 else a_full.t().clone().t()
+    lost = chunk_rows(missing, rows, M)
+    a[lost] = float("nan")
+    signals = torch.ones(num_chunks(rows), dtype=torch.int32, device=device)
+    signals[missing] = 0
+    # not NaN: a skipped tile computed anyway from the NaN rows would also write NaN
+    out = torch.full((M, N), 777.0, device=device)
+    with pytest.raises(TimeoutError, match=rf"chunk\(s\) {missing} "):
+        tk.gemm(a, b, out=out, config=config, async_input=tk.AsyncInputScheduler(signals, rows, pivot, max_spins=2))
+    return out, lost
+
+
+def _check_skipped_tiles(out, plain, lost, tiles, what):
+    """Every tile (a range of rows) that touches the lost rows was skipped whole; every other row is exact."""
+    skipped = torch.zeros(M, dtype=torch.bool)
+    for tile in tiles:
+        if any(lost.start <= r < lost.stop for r in tile):
+            skipped[tile.start:tile.stop] = True
+    kept = ~skipped.to(out.device)
+    assert torch.equal(out[kept], plain[kept]), f"{what}: arrived rows differ"
+    assert (out[~kept] == 777.0).all(), f"{what}: a skipped tile was written"
 
 
 def test_async_input_mm_contract(device):
@@ -291,25 +302,12 @@ def test_row_tail_missing_chunk(monkeypatch, device):
     for missing in range(chunks):
         for pivot in range(chunks):
             spans.clear()
-            a = a_full.clone()
-            lost = chunk_rows(missing, rows, M)
-            a[lost] = float("nan")
-            signals = torch.ones(chunks, dtype=torch.int32, device=device)
-            signals[missing] = 0
-            out = torch.full((M, N), 777.0, device=device)
-            with pytest.raises(TimeoutError, match=rf"chunk\(s\) {missing} "):
-                tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(signals, rows, pivot, max_spins=2))
+            out, lost = _call_with_missing_chunk(a_full, b, rows, missing, pivot, device)
             assert len(spans) == 1
             lo, hi = spans[0]
             tiles = [range(t, min(M, t + 32)) for t in range(0, M, 32) if not lo <= t < hi]
             tiles += [range(t, min(hi, t + 16)) for t in range(lo, hi, 16)]
-            skipped = torch.zeros(M, dtype=torch.bool)
-            for tile in tiles:
-                if any(lost.start <= r < lost.stop for r in tile):
-                    skipped[tile.start:tile.stop] = True
-            kept = ~skipped.to(device)
-            assert torch.equal(out[kept], plain[kept]), f"missing {missing}, pivot {pivot}: arrived rows differ"
-            assert (out[~kept] == 777.0).all(), f"missing {missing}, pivot {pivot}: a skipped tile was written"
+            _check_skipped_tiles(out, plain, lost, tiles, f"missing {missing}, pivot {pivot}")
 
 
 def test_row_tail_plan(monkeypatch):
@@ -432,18 +430,23 @@ def test_gpu_producer_on_second_stream(m, n, chunks, device):
     """100 calls, epochs 1..100 (signals never zeroed), the producer racing the GEMM: bit-exact with
     tk.gemm on the whole A every time. "large-tile" takes the large config, where the async kernel's
     row-tile group differs from tk.gemm's (``configs.ASYNC_LARGE_GROUP_M``)."""
-    k = 1024
+    _race_a_producer(m, n, 1024, chunks, 100, m, 200e-6, device)
+
+
+def _race_a_producer(m, n, k, chunks, epochs, seed, max_delay_s, device):
+    """``epochs`` calls of tk.async_input_mm (epochs 1.., signals never zeroed, the pivot moving) while a producer on
+    a second stream copies A's chunks in random order with random delays: bit-exact with tk.gemm on the whole A."""
     host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
     b = random_matrix(k, n, torch.bfloat16, device, column_major=True)
     expected = tk.gemm(host_a.to(device), b)
     signals = torch.zeros(chunks, dtype=torch.int32, device=device)
-    producer = ChunkProducer(host_a, m // chunks, signals, seed=m)
+    producer = ChunkProducer(host_a, m // chunks, signals, seed=seed)
     a = torch.empty(m, k, dtype=torch.bfloat16, device=device)
-    for epoch in range(1, 101):
+    for epoch in range(1, epochs + 1):
         a.fill_(float("nan"))
         producer.stream.wait_stream(torch.cuda.current_stream())
         out = tk.async_input_mm(a, b, signals, chunk_pivot=epoch % chunks, signal_value=epoch)
-        producer.produce(a, epoch)
+        producer.produce(a, epoch, max_delay_s=max_delay_s)
         torch.cuda.current_stream().wait_stream(producer.stream)
         torch.cuda.synchronize()
         tk.raise_pending_errors()
@@ -496,21 +499,7 @@ def test_gpu_row_tail_with_producer(chunks, device):
     if configs.select_plan(m, n, k, torch.bfloat16, device, async_input=True)[1] is None:
         pytest.skip(f"no async row tail at {m}x{n}x{k} on {configs.sm_count(device)} SMs")
     gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
-    host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
-    b = random_matrix(k, n, torch.bfloat16, device, column_major=True)
-    expected = tk.gemm(host_a.to(device), b)
-    signals = torch.zeros(chunks, dtype=torch.int32, device=device)
-    producer = ChunkProducer(host_a, m // chunks, signals, seed=chunks)
-    a = torch.empty(m, k, dtype=torch.bfloat16, device=device)
-    for epoch in range(1, 31):
-        a.fill_(float("nan"))
-        producer.stream.wait_stream(torch.cuda.current_stream())
-        out = tk.async_input_mm(a, b, signals, chunk_pivot=epoch % chunks, signal_value=epoch)
-        producer.produce(a, epoch, max_delay_s=0.002)
-        torch.cuda.current_stream().wait_stream(producer.stream)
-        torch.cuda.synchronize()
-        tk.raise_pending_errors()
-        assert torch.equal(out, expected), f"epoch {epoch}: differs from tk.gemm"
+    _race_a_producer(m, n, k, chunks, 30, chunks, 0.002, device)
     assert any(p.tail_span is not None for p in gemm_mod._PLANS.values())
 
 

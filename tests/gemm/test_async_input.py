@@ -289,6 +289,24 @@ def test_row_tail_is_the_last_pivoted_rows(chunking, tma, monkeypatch, device):
         assert torch.equal(out[~left], plain[~left]) and out[left].isnan().all(), (pivot, spans)
 
 
+def test_row_tail_epilogue_operands(monkeypatch, device):
+    """An async row tail reads the tail's rows of every [M, N] epilogue operand (bias [M, N], residual, mul [M, 1],
+    scale_a [M]) and the broadcast ones whole; a column-major out. Bit-identical to tk.gemm for every pivot."""
+    main = GemmConfig(32, 32, 32, 2, 4, 1)
+    spans = _force_async_tail(monkeypatch, main, GemmConfig(16, 32, 32, 2, 4, 1), 64)
+    a, b = operands("CR", torch.float32, device)
+    epilogue = dict(bias=torch.randn(M, N, device=device), residual=torch.randn(M, N, device=device), beta=0.5,
+                    activation="silu", mul=[torch.randn(M, 1, device=device), torch.randn(1, N, device=device)],
+                    scale_a=torch.rand(M, device=device) + 0.5)
+    plain = tk.gemm(a, b, config=main, **epilogue)
+    signals = torch.ones(4, dtype=torch.int32, device=device)
+    for pivot in range(4):
+        spans.clear()
+        out = poisoned((N, M), torch.float32, device).t()
+        tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(signals, 24, pivot), **epilogue)
+        assert len(spans) == 1 and torch.equal(out, plain), (pivot, spans)
+
+
 def test_row_tail_missing_chunk(monkeypatch, device):
     """A chunk that never arrives, with an async row tail: TimeoutError names it (after both launches), the tiles
     of either launch that touch it are skipped and the rest is exact; the tail's own tiles are 16 rows."""

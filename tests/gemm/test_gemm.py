@@ -644,6 +644,13 @@ def test_row_tail_every_layout(layout, tma, monkeypatch):
         tk.gemm(a, b, out=out)
         check(f"row tail {layout} {dtype}", out, a, b)
     assert len(calls) == 2 and calls[0].rows == 64 and calls[0].config == tail
+    # the main launch alone (the tail switched off) leaves exactly the rows past 64 unwritten
+    gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
+    monkeypatch.setattr(gemm_mod, "_launch_tail", lambda *args: None)
+    a, b = operands(88, 72, 48, torch.float32, layout, "cpu")
+    out = poisoned((88, 72), torch.float32)
+    tk.gemm(a, b, out=out)
+    assert torch.equal(out[:64], tk.gemm(a[:64], b, config=main)) and out[64:].isnan().all()
 
 
 def test_row_tail_epilogue_operands(monkeypatch):

@@ -223,7 +223,7 @@ def gemm_kernel(
         signal_value = tl.load(signal_value, volatile=True).to(tl.int64)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    # tiles_m_skip: the last pivoted M tiles, which an async row tail computes (gemm.py); 0 otherwise
+    # tiles_m_skip: the last M tiles in this launch's (pivoted) order, which a row tail computes (gemm.py)
     tiles_m_run = tiles_m - tiles_m_skip
     num_tiles = tiles_m_run * tiles_n * SPLIT_K
     acc_dtype = tl.int32 if ACC_INT else tl.float32

@@ -289,16 +289,15 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     if split_k > 1:
         tail = None
     skip, span = 0, None
-    if tail is not None and async_input is not None:
-        skip, span = _async_tail_span(M, cfg.block_m, tail.rows, async_input[1] * async_input[2])
+    if tail is not None:
+        # this launch computes every row tile but the last `skip` in its order (pivoted with async input), and
+        # _launch_tail the rows `span` of A that those are
+        skip, span = _tail_span(M, cfg.block_m, tail.rows, async_input[1] * async_input[2] if async_input else 0)
         if span is None:   # the tail's rows would wrap around the end of A: one launch instead
             cfg, tail, skip = select_config(M, N, K, a.dtype, a.device, True, heavy_epilogue), None, 0
 
     plan = _Plan()
     plan.cfg, plan.split_k, plan.tail, plan.tail_span = cfg, split_k, tail, span
-    # with a row tail this launch computes rows [0, tail.rows) only, or with async input every pivoted row tile but
-    # the last `skip`; _launch_tail the rest
-    rows = tail.rows if tail is not None and span is None else M
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
     use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
@@ -324,20 +323,19 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     plan.cfg = cfg
     flatten = cfg.flatten and _can_flatten(cfg, a, slices, plan.c_desc is not None, heavy_epilogue)
 
-    num_tiles = (cdiv(rows, cfg.block_m) - skip) * cdiv(N, cfg.block_n) * split_k
+    num_tiles = (cdiv(M, cfg.block_m) - skip) * cdiv(N, cfg.block_n) * split_k
     plan.num_programs = max(1, min(num_tiles, sm_count(a.device) * cfg.programs_per_sm))
-    plan.ints = (rows, N, K, k_per_split, plan.num_programs,
+    plan.ints = (M, N, K, k_per_split, plan.num_programs,
                  a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
     sbm, sbn = _bcast_strides(bias, M, N)
     plan.epilogue_strides = (_vec_stride(scale_a), _vec_stride(scale_b), sbm, sbn,
                              *_bcast_strides(mul[0] if len(mul) > 0 else None, M, N),
                              *_bcast_strides(mul[1] if len(mul) > 1 else None, M, N),
                              *_bcast_strides(residual, M, N))
-    plan.async_ints = (0, 0, 0, 0)
+    plan.async_ints = (0, 0, skip, 0)   # rows per chunk, pivot tile, row tiles left to a tail, A's row 0 in the signals'
     plan.local_ints = (0, 0)
     if async_input is not None:
         rows_per_chunk, pivot_chunk = async_input[1], async_input[2]
-        # rows per chunk, pivot tile, pivoted row tiles left to a tail, A's row 0 in the signals' rows
         plan.async_ints = (rows_per_chunk, pivot_chunk * rows_per_chunk // cfg.block_m, skip, wait_row0)
         if a_local is not None:
             plan.local_ints = (pivot_chunk * rows_per_chunk, pivot_chunk * rows_per_chunk + a_local.shape[0])
@@ -492,7 +490,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     epilogue_args = (alpha, beta, scale_a, ssa, scale_b, ssb, bias, sbm, sbn, mul0, sm0m, sm0n, mul1, sm1m, sm1n,
                      res_arg, srm, srn)
     if async_input is None:
-        wait_args = (None, None, 0, 0, 0, 0, 0, 0, None, 0, 0)
+        wait_args = (None, None, *plan.async_ints, 0, 0, None, 0, 0)
     else:
         signals, _, _, signal_value, max_spins = async_input[:5]
         errors = async_input[5] if own_errors else error_table(a.device, signals.numel())
@@ -509,27 +507,23 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
             partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args,
             SPLIT_K=plan.split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags, num_warps=4,
         )
-    if plan.tail is not None and plan.tail_span is not None:
-        # the async kernel's last pivoted rows, waited for as rows of A (the same error table: a timeout in
-        # either launch is reported below, or at the next call on a GPU)
-        lo, hi = plan.tail_span
-        _launch_tail(plan.tail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, lo, hi,
-                     (*async_input[:5], errors))
-    elif plan.tail is not None:
-        _launch_tail(plan.tail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b)
+    if plan.tail is not None:
+        # with async input the tail's rows wait as rows of A, with the same error table: a timeout in either launch
+        # is reported below, or at the next call on a GPU
+        _launch_tail(plan.tail, plan.tail_span, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a,
+                     scale_b, None if async_input is None else (*async_input[:5], errors))
     if async_input is not None and not own_errors and not a.is_cuda:
         check_errors(a.device, "chunk")  # the interpreter has finished the kernel: report at once
 
 
-def _launch_tail(tail: RowTail, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b,
-                 lo=None, hi=None, async_input=None) -> None:
-    """Rows ``[lo, hi)`` (default ``[tail.rows, M)``) in ``tail.config``: the same GEMM over row views of A, C and
-    every epilogue operand that has M rows (broadcast ones as they are), so the main launch's plan and this one's
-    are cached apart. ``async_input``: the main launch's, with its error table; the rows wait for their chunks
-    (no pivot: they are one range)."""
+def _launch_tail(tail: RowTail, span: tuple[int, int], a, b, c, bias, residual, mul, activation, alpha, beta, scale_a,
+                 scale_b, async_input) -> None:
+    """Rows ``span = [lo, hi)`` in ``tail.config``: the same GEMM over row views of A, C and every epilogue operand
+    that has M rows (broadcast ones as they are), so the main launch's plan and this one's are cached apart.
+    ``async_input``: None, or the main launch's with its error table; the rows wait for their chunks (no pivot:
+    they are one range)."""
     M = a.shape[0]
-    lo = tail.rows if lo is None else lo
-    hi = M if hi is None else hi
+    lo, hi = span
 
     def rows(t):
         return t if t is None or t.dim() < 2 or t.shape[0] != M else t[lo:hi]
@@ -543,11 +537,11 @@ def _launch_tail(tail: RowTail, a, b, c, bias, residual, mul, activation, alpha,
             scale_a, scale_b, 1, async_input, cfg=tail.config, wait_row0=lo)
 
 
-def _async_tail_span(M: int, block_m: int, rows: int, pivot_row: int) -> tuple[int, tuple[int, int] | None]:
-    """(pivoted row tiles the async main launch leaves, the rows ``[lo, hi)`` of A they are) for a tail that
-    takes ``M - rows`` rows. The main launch walks the M tiles from the pivot tile on, wrapping around, and stops
-    ``skip`` tiles short: those are the tiles just before the pivot tile. None for the rows where they wrap
-    around the end of A (a pivot tile inside the first ``skip``)."""
+def _tail_span(M: int, block_m: int, rows: int, pivot_row: int) -> tuple[int, tuple[int, int] | None]:
+    """(row tiles the main launch leaves, the rows ``[lo, hi)`` of A they are) for a tail that takes ``M - rows``
+    rows. The main launch walks the M tiles from the pivot tile on (0 without async input), wrapping around, and
+    stops ``skip`` tiles short: those are the tiles just before the pivot tile, A's last with pivot 0. None where
+    they wrap around the end of A (a pivot tile inside the first ``skip``)."""
     tiles_m = cdiv(M, block_m)
     skip = tiles_m - rows // block_m
     pivot_tile = pivot_row // block_m

@@ -66,8 +66,8 @@ def tile_coords(tile_id, tiles_m, tiles_n, GROUP_M: tl.constexpr, pivot_tile_m=0
     """Work item -> (pid_m, pid_n, pid_k): K-split outermost, grouped raster inside; with ``PIVOT``,
     pid_m is the pivoted M tile ``m_eff`` that every later use (wait, loads, stores) shares.
 
-    ``pivot_mod``: the M tiles the pivot rotates over, where a launch walks fewer (``tiles_m``: the async
-    kernel's main launch, whose last pivoted row tiles a row tail computes); 0 means ``tiles_m``."""
+    ``pivot_mod``: the M tiles the pivot rotates over, where a launch walks fewer (``tiles_m``: a launch whose
+    last row tiles in this order a row tail computes); 0 means ``tiles_m``."""
     tiles_mn = tiles_m * tiles_n
     pid_k = tile_id // tiles_mn
     tile_mn = tile_id % tiles_mn

@@ -144,6 +144,14 @@ def shape_class(M: int, N: int, K: int) -> str:
 ASYNC_LARGE_GROUP_M = 16
 
 
+def _hopper_table(dtype: torch.dtype, async_input: bool) -> dict:
+    """The tuned Hopper configs for ``dtype``; the async-input kernel's large tile takes ``ASYNC_LARGE_GROUP_M``."""
+    table = dict(TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT)
+    if async_input:
+        table["large"] = dataclasses.replace(table["large"], group_m=ASYNC_LARGE_GROUP_M)
+    return table
+
+
 # A heavy epilogue (bias, activation, mul or residual) on the medium class takes the large tile: bias + gelu +
 # residual, bf16, H100, CUDA-graph replays, two processes of 5 rounds (2026-11-25), the large tile at 3 stages with
 # its loops fused against the medium 128x128 tile: 2048x7168x4096 569 against 502 TFLOP/s, 2048x4096x4096 636
@@ -187,7 +195,7 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
         if M <= 64:
             return GemmConfig(64, 64, 32, 8, 4, 3, use_tma=major >= 9)
         return GemmConfig(128, 128, 32, 8, 8, 3, use_tma=major >= 9)
-    table = TUNED_HOPPER_FP32 if dtype == torch.float32 else TUNED_HOPPER_16BIT
+    table = _hopper_table(dtype, async_input)
     cls = shape_class(M, N, K)
     if not async_input and dtype.itemsize == 2 and major >= 9:
         if heavy_epilogue:
@@ -195,8 +203,6 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype, device: torch.devi
         elif cls == "medium" and _large_tile_waves_less(M, N, table, device):
             cls = "large"
     cfg = table[cls]
-    if async_input and cls == "large":
-        cfg = dataclasses.replace(cfg, group_m=ASYNC_LARGE_GROUP_M)
     if major < 9:
         cfg = dataclasses.replace(cfg, use_tma=False, warp_specialize=False,
                                   num_stages=min(cfg.num_stages, 3))
@@ -277,9 +283,7 @@ def select_plan(M: int, N: int, K: int, dtype: torch.dtype, device: torch.device
     cfg = select_config(M, N, K, dtype, device, async_input, heavy_epilogue)
     if _override or device.type != "cuda" or dtype.itemsize != 2 or capability(device)[0] < 9 or K < 1:
         return cfg, None
-    table = dict(TUNED_HOPPER_16BIT)
-    if async_input:
-        table["large"] = dataclasses.replace(table["large"], group_m=ASYNC_LARGE_GROUP_M)
+    table = _hopper_table(dtype, async_input)
     costs = {table[name]: cost for name, cost in TAIL_WAVE_COST.items()}
     if cfg not in (table["medium"], table["large"]):
         return cfg, None

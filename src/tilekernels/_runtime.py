@@ -487,21 +487,44 @@ class CachedLaunch:
     ``jit_fn[grid]``, which is correct, only slower).
     """
 
-    __slots__ = ("kernel", "grid", "constexprs", "options", "values", "launch")
+    __slots__ = ("kernel", "grid", "constexprs", "options", "values", "launch", "compiled")
 
     def __init__(self, kernel, grid, constexprs: dict, **options):
         """``grid``: an int (1-D) or a tuple of up to three ints."""
         self.kernel, self.grid, self.constexprs, self.options = kernel, grid, constexprs, options
         self.values = tuple(constexprs.values())
         self.launch = None
+        self.compiled = False   # whether a call or ``prepare`` has compiled the kernel (GPU)
 
     def __call__(self, args: tuple, device: torch.device) -> None:
         if self.launch is not None:
             self.launch(self.grid, args + self.values)
             return
-        grid = (self.grid,) if isinstance(self.grid, int) else tuple(self.grid)
-        compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
-        if device.type == "cuda" and list(self.constexprs) == self.kernel.arg_names[len(args):]:
+        compiled = self.kernel[self._grid()](*args, **self.constexprs, **self.options)
+        self._take(compiled, args, device)
+
+    def prepare(self, args: tuple, device: torch.device) -> None:
+        """Compile and load the kernel for these arguments (as ``__call__`` takes them) without launching, unless
+        that is done. Loading a kernel waits for the kernels running on the device, so a launch that follows one
+        whose programs wait for a producer (an async-input GEMM's row tail: its caller may start the producer only
+        once the call has returned) must be loaded before that one starts. Nothing to do off a GPU."""
+        if self.compiled or device.type != "cuda":
+            return
+        with torch.cuda.device(device):
+            compiled = self.kernel.warmup(*args, grid=self._grid(), **self.constexprs, **self.options)
+            load = getattr(compiled, "_init_handles", None)   # triton loads the module lazily, at the first launch
+            if load is not None:
+                load()
+        self._take(compiled, args, device)
+
+    def _grid(self) -> tuple:
+        return (self.grid,) if isinstance(self.grid, int) else tuple(self.grid)
+
+    def _take(self, compiled, args: tuple, device: torch.device) -> None:
+        if device.type != "cuda":
+            return
+        self.compiled = True
+        if list(self.constexprs) == self.kernel.arg_names[len(args):]:
             self.launch = direct_launcher(compiled, device.index)
 
 
@@ -547,7 +570,7 @@ class ClusterLaunch(CachedLaunch):
         launch = direct_launcher(patched, device.index)
         if launch is None or resident < 1:  # pragma: no cover - depends on the installed triton
             raise RuntimeError("ClusterLaunch: this triton or device cannot launch the clusters")
-        self.launch = launch
+        self.launch, self.compiled = launch, True
         return resident
 
     def __call__(self, args: tuple, device: torch.device) -> None:

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import random
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,13 +236,13 @@ def _force_async_tail(monkeypatch, main: GemmConfig, tail: GemmConfig, rows: int
     monkeypatch.setattr(gemm_mod, "select_plan", plan)
     monkeypatch.setattr(gemm_mod, "_PLANS", {})
     spans = []
-    real = gemm_mod._launch_tail
+    real = gemm_mod._tail_call
 
     def record(*args):
         spans.append(tuple(args[1]))
         return real(*args)
 
-    monkeypatch.setattr(gemm_mod, "_launch_tail", record)
+    monkeypatch.setattr(gemm_mod, "_tail_call", record)
     return spans
 
 
@@ -277,7 +281,7 @@ def test_row_tail_is_the_last_pivoted_rows(chunking, tma, monkeypatch, device):
                     assert spans == [((pivot_tile - skip) * 32, pivot_tile * 32)], (pivot, skip, spans)
     # the main launch alone (the tail switched off) leaves exactly the tail's rows unwritten
     gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
-    monkeypatch.setattr(gemm_mod, "_launch_tail", lambda *args: spans.append(tuple(args[1])))
+    monkeypatch.setattr(gemm_mod, "_tail_call", lambda *args: spans.append(tuple(args[1])))
     a, b = operands("RR", torch.float32, device)
     plain = tk.gemm(a, b, config=main)
     for pivot in range(num_chunks(rows)):
@@ -328,6 +332,44 @@ def test_row_tail_missing_chunk(monkeypatch, device):
             tiles = [range(t, min(M, t + 32)) for t in range(0, M, 32) if not lo <= t < hi]
             tiles += [range(t, min(hi, t + 16)) for t in range(lo, hi, 16)]
             _check_skipped_tiles(out, plain, lost, tiles, f"missing {missing}, pivot {pivot}")
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_every_kernel_compiled_before_the_first_launch(split_k, monkeypatch, device):
+    """With async input every kernel of the call (a row tail's, split-K's reduction) is compiled and loaded before
+    the first launch: that launch's programs wait for chunks that the caller's producer may start only once the call
+    has returned, and loading a kernel waits for the kernels running on the device (the GPU test below). Here the
+    launches and ``prepare`` calls are recorded in order (``prepare`` itself compiles only on a GPU)."""
+    from tilekernels import _runtime
+
+    main = GemmConfig(32, 32, 32, 2, 4, 1)
+    if split_k == 1:
+        _force_async_tail(monkeypatch, main, GemmConfig(16, 32, 32, 2, 4, 1), 64)
+    events = []
+    real_call, real_prepare = _runtime.CachedLaunch.__call__, _runtime.CachedLaunch.prepare
+
+    def call(self, args, dev):
+        events.append(("launch", self))
+        return real_call(self, args, dev)
+
+    def prepare(self, args, dev):
+        events.append(("prepare", self))
+        return real_prepare(self, args, dev)
+
+    monkeypatch.setattr(_runtime.CachedLaunch, "__call__", call)
+    monkeypatch.setattr(_runtime.CachedLaunch, "prepare", prepare)
+    a, b = operands("RR", torch.float32, device)
+    plain = tk.gemm(a, b, config=main, split_k=split_k)
+    signals = torch.ones(4, dtype=torch.int32, device=device)
+    with override_config(main) if split_k > 1 else contextlib.nullcontext():
+        for pivot in (0, 2):
+            events.clear()
+            out = tk.gemm(a, b, async_input=tk.AsyncInputScheduler(signals, 24, pivot), split_k=split_k)
+            assert torch.equal(out, plain), pivot
+            launches = [launch for kind, launch in events if kind == "launch"]
+            prepared = [launch for kind, launch in events if kind == "prepare"]
+            assert len(launches) == 2 and events[:1] == [("prepare", launches[1])], (pivot, events)
+            assert prepared == [launches[1]], (pivot, events)
 
 
 def test_row_tail_plan(monkeypatch):
@@ -521,6 +563,49 @@ def test_gpu_row_tail_with_producer(chunks, device):
     gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
     _race_a_producer(m, n, k, chunks, 30, chunks, 0.002, device)
     assert any(p.tail_span is not None for p in gemm_mod._PLANS.values())
+
+
+_FIRST_CALL = """
+import torch
+import tilekernels as tk
+m, n, k, chunks = 4096, 3584, 8192, 2
+device = torch.device("cuda", 0)
+host_a = torch.randn(m, k, dtype=torch.bfloat16).pin_memory()
+b = torch.randn(n, k, dtype=torch.bfloat16, device=device).t()
+a = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device=device)
+signals = torch.zeros(chunks, dtype=torch.int32, device=device)
+word = torch.ones(1, dtype=torch.int32).pin_memory()
+producer = torch.cuda.Stream()
+producer.wait_stream(torch.cuda.current_stream())
+out = tk.async_input_mm(a, b, signals, chunk_pivot=1, max_spins=1 << 20)
+with torch.cuda.stream(producer):   # started only once the call has returned, as in examples/async_input_gemm.py
+    for c in (1, 0):
+        a[c * (m // chunks):(c + 1) * (m // chunks)].copy_(host_a[c * (m // chunks):(c + 1) * (m // chunks)],
+                                                           non_blocking=True)
+        signals[c:c + 1].copy_(word, non_blocking=True)
+torch.cuda.synchronize()
+tk.raise_pending_errors()
+assert torch.equal(out, tk.gemm(host_a.to(device), b)), "differs from tk.gemm"
+print("ok")
+"""
+
+
+@gpu
+def test_gpu_row_tail_first_call_in_a_fresh_process(device):
+    """The first async call of a process, with a row tail, its producer started only once the call has returned (as
+    in the example): every kernel of the call is loaded before the main launch starts waiting (``gemm._launch``).
+    A kernel's first launch in a process loads its module, which waits for the kernels running on the device, so a
+    tail loaded after the main launch held the host until the main launch's waits gave up (H100, 2026-11-25: 8.6 s,
+    then TimeoutError for chunks 0 and 1). A fresh process, so that nothing has loaded the tail's kernel yet; the
+    waits give up after 2^20 polls (about a second)."""
+    from tilekernels.gemm import configs
+
+    if configs.select_plan(4096, 3584, 8192, torch.bfloat16, device, async_input=True)[1] is None:
+        pytest.skip(f"no async row tail at 4096x3584x8192 on {configs.sm_count(device)} SMs")
+    src = str(Path(tk.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    result = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
 
 
 @gpu

@@ -623,8 +623,8 @@ def _force_row_tail(monkeypatch, main: GemmConfig, tail: GemmConfig, rows: int):
     monkeypatch.setattr(gemm_mod, "select_plan", plan)
     monkeypatch.setattr(gemm_mod, "_PLANS", {})
     calls = []
-    real = gemm_mod._launch_tail
-    monkeypatch.setattr(gemm_mod, "_launch_tail", lambda *args: (calls.append(args[0]), real(*args)))
+    real = gemm_mod._tail_call
+    monkeypatch.setattr(gemm_mod, "_tail_call", lambda *args: (calls.append(args[0]), real(*args))[1])
     return calls
 
 
@@ -646,7 +646,7 @@ def test_row_tail_every_layout(layout, tma, monkeypatch):
     assert len(calls) == 2 and calls[0].rows == 64 and calls[0].config == tail
     # the main launch alone (the tail switched off) leaves exactly the rows past 64 unwritten
     gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
-    monkeypatch.setattr(gemm_mod, "_launch_tail", lambda *args: None)
+    monkeypatch.setattr(gemm_mod, "_tail_call", lambda *args: None)
     a, b = operands(88, 72, 48, torch.float32, layout, "cpu")
     out = poisoned((88, 72), torch.float32)
     tk.gemm(a, b, out=out)

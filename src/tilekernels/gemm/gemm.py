@@ -231,7 +231,7 @@ class _Plan:
 
     __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "c_desc", "res_desc",
                  "num_programs", "ints", "epilogue_strides", "async_ints", "epilogue_flags", "acc_int", "kernel",
-                 "local_desc", "local_ints", "tail", "tail_span")
+                 "local_desc", "local_ints", "tail", "tail_span", "reduce")
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -267,7 +267,7 @@ def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
 
 def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
                trace=None, cfg=None, wait_row0=0) -> _Plan:
-    """``cfg``: the config to take as it is (a row tail's launch, ``_launch_tail``); None picks one, and may split
+    """``cfg``: the config to take as it is (a row tail's launch, ``_tail_call``); None picks one, and may split
     the rows into a main launch and a tail (``configs.select_plan``). ``wait_row0``: where A's row 0 sits in the
     rows the async-input signals count (an async row tail's launch on a row view)."""
     M, K = a.shape
@@ -291,7 +291,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     skip, span = 0, None
     if tail is not None:
         # this launch computes every row tile but the last `skip` in its order (pivoted with async input), and
-        # _launch_tail the rows `span` of A that those are
+        # _tail_call the rows `span` of A that those are
         skip, span = _tail_span(M, cfg.block_m, tail.rows, async_input[1] * async_input[2] if async_input else 0)
         if span is None:   # the tail's rows would wrap around the end of A: one launch instead
             cfg, tail, skip = select_config(M, N, K, a.dtype, a.device, True, heavy_epilogue), None, 0
@@ -332,7 +332,8 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
                              *_bcast_strides(mul[0] if len(mul) > 0 else None, M, N),
                              *_bcast_strides(mul[1] if len(mul) > 1 else None, M, N),
                              *_bcast_strides(residual, M, N))
-    plan.async_ints = (0, 0, skip, 0)   # rows per chunk, pivot tile, row tiles left to a tail, A's row 0 in the signals'
+    # rows per chunk, pivot tile, row tiles left to a tail, A's row 0 in the signals' rows
+    plan.async_ints = (0, 0, skip, 0)
     plan.local_ints = (0, 0)
     if async_input is not None:
         rows_per_chunk, pivot_chunk = async_input[1], async_input[2]
@@ -368,6 +369,11 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     )
     plan.kernel = CachedLaunch(_kernels.gemm_kernel, plan.num_programs, constexprs, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages)
+    plan.reduce = None
+    if split_k > 1:   # the partials summed in split order, then the epilogue
+        block_m, block_n = 32, 128
+        plan.reduce = CachedLaunch(_kernels.splitk_reduce_kernel, cdiv(M, block_m) * cdiv(N, block_n), dict(
+            SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags), num_warps=4)
     return plan
 
 
@@ -450,7 +456,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     and optionally the error table to record timeouts in (tk.dist: its workspace's). ``signal_value``
     may be an int32 device tensor of one element, read by the kernel when it runs (tk.dist's epoch).
     ``trace``: a ``dist.trace.DeviceTrace`` to record per-program wait/compute spans in, or None.
-    ``cfg``: a config taken as it is, with no row tail (``_launch_tail``'s own launch)."""
+    ``cfg``: a config taken as it is, with no row tail (``_tail_call``'s own launch)."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     if not on_current_device(a):
@@ -460,6 +466,40 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     own_errors = async_input is not None and len(async_input) > 5
     if async_input is not None and not own_errors:
         check_errors(a.device, "chunk")  # an earlier call's timeout that has landed by now
+    errors = None
+    if async_input is not None:
+        errors = async_input[5] if own_errors else error_table(a.device, async_input[0].numel())
+    plan, args, reduce_args = _call(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
+                                    async_input, errors, trace, cfg, wait_row0)
+    tail = None
+    if plan.tail is not None:
+        # with async input the tail's rows wait as rows of A, with the same error table: a timeout in either launch
+        # is reported below, or at the next call on a GPU
+        tail = _tail_call(plan.tail, plan.tail_span, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a,
+                          scale_b, None if async_input is None else (*async_input[:5], errors))
+    if async_input is not None:
+        # Every kernel of the call is compiled and loaded before the first launch: that launch's programs wait for
+        # chunks that the caller's producer may start only once this call has returned, and loading a kernel (its
+        # first launch in the process) waits for the kernels running on the device. A row tail loaded after the
+        # main launch held the host until the main launch's waits gave up (H100, 2026-11-25: 8.6 s, then
+        # TimeoutError for chunks 0 and 1 of 4096x3584x8192).
+        if tail is not None:
+            tail[0].kernel.prepare(tail[1], a.device)
+        if reduce_args is not None:
+            plan.reduce.prepare(reduce_args, a.device)
+    plan.kernel(args, a.device)
+    if reduce_args is not None:
+        plan.reduce(reduce_args, a.device)
+    if tail is not None:
+        tail[0].kernel(tail[1], a.device)
+    if async_input is not None and not own_errors and not a.is_cuda:
+        check_errors(a.device, "chunk")  # the interpreter has finished the kernel: report at once
+
+
+def _call(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k, async_input, errors,
+          trace, cfg, wait_row0):
+    """(plan, gemm_kernel's runtime arguments, the split-K reduction's or None) for one launch (``_launch``);
+    ``errors``: the error table of a launch with async input."""
     key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
     if trace is not None:
         key += (trace.max_events,)
@@ -493,35 +533,24 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
         wait_args = (None, None, *plan.async_ints, 0, 0, None, 0, 0)
     else:
         signals, _, _, signal_value, max_spins = async_input[:5]
-        errors = async_input[5] if own_errors else error_table(a.device, signals.numel())
         a_local = _local_rows(async_input)
         if a_local is not None and plan.local_desc is not None:
             a_local = rebase(plan.local_desc, a_local)
         wait_args = (signals, errors, *plan.async_ints, signal_value, max_spins, a_local, *plan.local_ints)
     trace_args = (trace.events, trace.clock) if trace is not None else (None, None)
     args = (a_arg, b_arg, c_arg, partials, *plan.ints, *epilogue_args, *wait_args, *trace_args)
-    plan.kernel(args, a.device)
+    reduce_args = None
     if plan.split_k > 1:
-        block_m, block_n = 32, 128
-        _kernels.splitk_reduce_kernel[(cdiv(M, block_m) * cdiv(N, block_n),)](
-            partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args,
-            SPLIT_K=plan.split_k, BLOCK_M=block_m, BLOCK_N=block_n, **plan.epilogue_flags, num_warps=4,
-        )
-    if plan.tail is not None:
-        # with async input the tail's rows wait as rows of A, with the same error table: a timeout in either launch
-        # is reported below, or at the next call on a GPU
-        _launch_tail(plan.tail, plan.tail_span, a, b, c, bias, residual, mul, activation, alpha, beta, scale_a,
-                     scale_b, None if async_input is None else (*async_input[:5], errors))
-    if async_input is not None and not own_errors and not a.is_cuda:
-        check_errors(a.device, "chunk")  # the interpreter has finished the kernel: report at once
+        reduce_args = (partials, c, M, N, c.stride(0), c.stride(1), *epilogue_args)
+    return plan, args, reduce_args
 
 
-def _launch_tail(tail: RowTail, span: tuple[int, int], a, b, c, bias, residual, mul, activation, alpha, beta, scale_a,
-                 scale_b, async_input) -> None:
-    """Rows ``span = [lo, hi)`` in ``tail.config``: the same GEMM over row views of A, C and every epilogue operand
-    that has M rows (broadcast ones as they are), so the main launch's plan and this one's are cached apart.
-    ``async_input``: None, or the main launch's with its error table; the rows wait for their chunks (no pivot:
-    they are one range)."""
+def _tail_call(tail: RowTail, span: tuple[int, int], a, b, c, bias, residual, mul, activation, alpha, beta, scale_a,
+               scale_b, async_input):
+    """(plan, arguments) of the launch for rows ``span = [lo, hi)`` in ``tail.config``: the same GEMM over row views
+    of A, C and every epilogue operand that has M rows (broadcast ones as they are), so the main launch's plan and
+    this one's are cached apart. ``async_input``: None, or the main launch's with its error table; the rows wait for
+    their chunks (no pivot: they are one range)."""
     M = a.shape[0]
     lo, hi = span
 
@@ -530,11 +559,13 @@ def _launch_tail(tail: RowTail, span: tuple[int, int], a, b, c, bias, residual, 
 
     if isinstance(scale_a, torch.Tensor) and scale_a.numel() == M and M > 1:
         scale_a = scale_a.reshape(-1)[lo:hi]
+    errors = None
     if async_input is not None:
         signals, rows_per_chunk, _, signal_value, max_spins, errors = async_input
         async_input = (signals, rows_per_chunk, 0, signal_value, max_spins, errors)
-    _launch(a[lo:hi], b, c[lo:hi], rows(bias), rows(residual), [rows(m) for m in mul], activation, alpha, beta,
-            scale_a, scale_b, 1, async_input, cfg=tail.config, wait_row0=lo)
+    plan, args, _ = _call(a[lo:hi], b, c[lo:hi], rows(bias), rows(residual), [rows(m) for m in mul], activation,
+                          alpha, beta, scale_a, scale_b, 1, async_input, errors, None, tail.config, lo)
+    return plan, args
 
 
 def _tail_span(M: int, block_m: int, rows: int, pivot_row: int) -> tuple[int, tuple[int, int] | None]:

@@ -26,6 +26,11 @@ once ``chunk_signals[c] >= signal_value``. The protocol, as the kernel runs it:
   writes the rows, then the signal with release semantics on its stream after the copy:
   ``stream_write_value32``, or a copy-engine copy of the epoch (the tests and the example) — neither
   needs an SM, which the waiting programs occupy.
+- Nothing may load a kernel while the programs wait for a producer that has not been started: a CUDA
+  kernel's first launch in a process loads its module, which waits for the kernels running on the device
+  (H100: the host held until the waits gave up). So gemm.py loads every kernel of a call (a row tail's,
+  split-K's reduction) before its first launch, and a caller that starts the producer after the call
+  must not launch a kernel for the first time in between (the example's producer is copies only).
 - Signals are epochs: ready means ``>= signal_value``, so a caller bumps ``signal_value`` each call
   and never zeroes the signals or barriers between calls.
 - Bounded: after ``max_spins`` polls the chunk is recorded in the error table (``_runtime``), the tile
@@ -53,9 +58,9 @@ import torch
 from .._runtime import INTERPRET, is_interpreter
 
 SIGNAL_DTYPES = (torch.int32, torch.uint32)
-# Polls before a wait gives up. On a GPU one poll plus its sleep takes ~0.5-1 us, so the default is
-# several seconds: far beyond any real arrival, short of a hung job. Under the interpreter programs run
-# one after another, so nothing can arrive while a program waits: give up quickly.
+# Polls before a wait gives up. On a GPU one poll plus its sleep takes ~1 us, so the default is several
+# seconds (8.6 s measured on an H100): far beyond any real arrival, short of a hung job. Under the
+# interpreter programs run one after another, so nothing can arrive while a program waits: give up quickly.
 DEFAULT_MAX_SPINS_GPU = 1 << 23
 DEFAULT_MAX_SPINS_INTERPRETER = 16
 
@@ -151,6 +156,11 @@ class AsyncInputScheduler:
             interpreter). The tile is then skipped and ``TimeoutError`` names the chunk: at once under
             the interpreter; on a GPU at the next tilekernels call that checks (every async-input
             call does, without synchronising) or ``tk.raise_pending_errors()`` (which synchronises).
+
+    A producer started after the call must not launch a kernel for the first time in the process while the
+    GEMM waits for it: loading a kernel waits for the kernels running on the device, the GEMM included, so
+    that would hold the host until the waits give up. Start it before the call, use copies or
+    ``stream_write_value32``, or launch its kernels once beforehand.
     """
 
     def __init__(self, chunk_signals: torch.Tensor, rows_per_chunk: int, pivot_chunk: int = 0,

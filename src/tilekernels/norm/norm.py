@@ -93,6 +93,12 @@ def rows_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+def as_shape(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` (a ``[rows, N]`` or ``[rows]`` output) viewed as ``shape``, or as it is when it has as many dims (the
+    view costs ~2.5 us of host time, as much as a fifth of a small call's)."""
+    return t if t.dim() == len(shape) else t.view(shape)
+
+
 def _vector(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.contiguous()
 
@@ -468,11 +474,11 @@ def _norm(norm, x, weight, bias, eps, residual, x_bias, quant, smooth_scale, qua
         rows_view(x), _vector(weight), _vector(bias), None if residual is None else rows_view(residual),
         _vector(x_bias), _vector(smooth_scale), None, eps, norm, quant or "none",
         quant_dtype if quant is not None else torch.int8, store_y, store_stats)
-    outputs = [q.view(x.shape), scale.view(x.shape[:-1])] if quant is not None else []
+    outputs = [as_shape(q, x.shape), as_shape(scale, x.shape[:-1])] if quant is not None else []
     if store_y:
-        outputs.append(y.view(x.shape))
+        outputs.append(as_shape(y, x.shape))
     if residual is not None:
-        outputs.append(s.view(x.shape))
+        outputs.append(as_shape(s, x.shape))
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 

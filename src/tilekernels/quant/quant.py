@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..norm.norm import check_no_grad, check_quant_dtype, check_rows, check_vector, rows_view, run_forward
+from ..norm.norm import as_shape, check_no_grad, check_quant_dtype, check_rows, check_vector, rows_view, run_forward
 
 
 def _quantise(op, x, smooth_scale, topk_ids, quant_dtype):
@@ -37,7 +37,7 @@ def dynamic_quant(x, quant_dtype=torch.int8):
     """
     check_rows("x", x)
     q, scale = _quantise("dynamic_quant", x, None, None, quant_dtype)
-    return q.view(x.shape), scale.view(x.shape[:-1])
+    return as_shape(q, x.shape), as_shape(scale, x.shape[:-1])
 
 
 def smooth_quant(x, smooth_scale, quant_dtype=torch.int8):
@@ -48,7 +48,7 @@ def smooth_quant(x, smooth_scale, quant_dtype=torch.int8):
         raise TypeError("smooth_scale must be a torch.Tensor [N], got None")
     check_vector("smooth_scale", smooth_scale, (x.shape[-1],), x)
     q, scale = _quantise("smooth_quant", x, smooth_scale, None, quant_dtype)
-    return q.view(x.shape), scale.view(x.shape[:-1])
+    return as_shape(q, x.shape), as_shape(scale, x.shape[:-1])
 
 
 def moe_smooth_quant(x, smooth_scale, topk_ids, quant_dtype=torch.int8):

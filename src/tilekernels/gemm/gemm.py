@@ -462,7 +462,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     if not on_current_device(a):
         with torch.cuda.device(a.device):  # triton launches on the current device
             return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-                           async_input, trace, cfg)
+                           async_input, trace, cfg, wait_row0)
     own_errors = async_input is not None and len(async_input) > 5
     if async_input is not None and not own_errors:
         check_errors(a.device, "chunk")  # an earlier call's timeout that has landed by now

@@ -50,8 +50,9 @@ def produce(a, host_a, signals, epoch, order, stream):
             time.sleep(random.uniform(0, 200e-6))
             # Both writes are copy-engine transfers from pinned memory, not kernels: while they wait,
             # the GEMM's persistent programs occupy every SM, so a producer kernel would queue behind
-            # them until their waits time out. torch.ops.symm_mem.stream_write_value32_ is the other
-            # SM-free way to set a signal. Stream order puts the signal after the rows.
+            # them until their waits time out (and a kernel's first launch in a process loads its
+            # module, which itself waits for the running GEMM). torch.ops.symm_mem.stream_write_value32_
+            # is the other SM-free way to set a signal. Stream order puts the signal after the rows.
             a[c * rows:(c + 1) * rows].copy_(host_a[c * rows:(c + 1) * rows], non_blocking=True)
             signals[c:c + 1].copy_(epoch_host, non_blocking=True)
     return epoch_host

@@ -451,18 +451,18 @@ def _epilogue_plan(cfg: GemmConfig, use_tma: bool, a: torch.Tensor, c: torch.Ten
 
 
 def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-            async_input=None, trace=None, cfg=None, wait_row0=0) -> None:
+            async_input=None, trace=None) -> None:
     """``async_input``: None, or (chunk_signals, rows_per_chunk, pivot_chunk, signal_value, max_spins)
     and optionally the error table to record timeouts in (tk.dist: its workspace's). ``signal_value``
     may be an int32 device tensor of one element, read by the kernel when it runs (tk.dist's epoch).
-    ``trace``: a ``dist.trace.DeviceTrace`` to record per-program wait/compute spans in, or None.
-    ``cfg``: a config taken as it is, with no row tail (``_tail_call``'s own launch)."""
+    ``trace``: a ``dist.trace.DeviceTrace`` to record per-program wait/compute spans in, or None. A row tail's
+    launch is built by ``_tail_call`` and made here, after the main one."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     if not on_current_device(a):
         with torch.cuda.device(a.device):  # triton launches on the current device
             return _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-                           async_input, trace, cfg, wait_row0)
+                           async_input, trace)
     own_errors = async_input is not None and len(async_input) > 5
     if async_input is not None and not own_errors:
         check_errors(a.device, "chunk")  # an earlier call's timeout that has landed by now
@@ -470,7 +470,7 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
     if async_input is not None:
         errors = async_input[5] if own_errors else error_table(a.device, async_input[0].numel())
     plan, args, reduce_args = _call(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k,
-                                    async_input, errors, trace, cfg, wait_row0)
+                                    async_input, errors, trace, None, 0)
     tail = None
     if plan.tail is not None:
         # with async input the tail's rows wait as rows of A, with the same error table: a timeout in either launch
@@ -499,7 +499,8 @@ def _launch(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scal
 def _call(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k, async_input, errors,
           trace, cfg, wait_row0):
     """(plan, gemm_kernel's runtime arguments, the split-K reduction's or None) for one launch (``_launch``);
-    ``errors``: the error table of a launch with async input."""
+    ``errors``: the error table of a launch with async input; ``cfg`` and ``wait_row0``: a row tail's config, taken
+    as it is, and where its row view starts in A (``_tail_call``), else None and 0."""
     key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
     if trace is not None:
         key += (trace.max_events,)

@@ -40,9 +40,9 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def _row(provider, M, N, K, p50, *, gpu=H100, variant="plain", dtype="bf16", run_id="r1", mode="bench",
-         date="2026-11-22T00:00:00+00:00", interpreter=False, config=""):
+         date="2026-11-22T00:00:00+00:00", interpreter=False, config="", layout="RR"):
     return {"op": "gemm", "provider": provider, "shape": {"M": M, "N": N, "K": K}, "dtype": dtype,
-            "layout": "RR", "variant": variant, "metric": "tflops",
+            "layout": layout, "variant": variant, "metric": "tflops",
             "p20": p50 * 0.98, "p50": p50, "p80": p50 * 1.01,
             "ms": 2.0 * M * N * K / p50 / 1e9, "config": config, "accuracy_ratio": 1.0, "mode": mode,
             "run_id": run_id, "date": date, "gpu": gpu, "torch": "2.11.0", "triton": "3.6.0",
@@ -143,6 +143,24 @@ def test_results_md_latest_run_per_device(tmp_path):
     assert f"{690 / 700:.3f}" in text and "H100 cuBLAS anchor" in text
     assert "`128x256x64 sk1`" in text and "|  | default | `128x128x64` | 600 | 0.857 |" in text
     assert "No GPU figures" not in text
+
+
+def test_results_md_keeps_the_latest_run_of_each_layout(tmp_path):
+    """A run of one layout (or moe_smooth_quant's k and E) does not hide another layout's latest run; a later run of
+    the same variant and layout replaces the earlier one."""
+    results_dir = tmp_path / "results"
+
+    def run(run_id, layout, day, value):
+        return [_row(p, 4096, 4096, 4096, v, run_id=run_id, layout=layout, date=f"2026-11-{day}T00:00:00+00:00")
+                for p, v in (("tilekernels", value), ("cublas", 700.0))]
+
+    run_file = tmp_path / "gemm.json"
+    run_file.write_text(json.dumps(run("rr-old", "RR", 21, 600.0) + run("rc", "RC", 22, 650.0)
+                                   + run("rr-new", "RR", 23, 680.0)))
+    results.import_rows(results_dir, [run_file])
+    text = results.write_results_md(results_dir).read_text()
+    assert "run `rc`" in text and "run `rr-new`" in text and "run `rr-old`" not in text
+    assert "· RR —" in text and "· RC —" in text
 
 
 def test_update_results_command(tmp_path, capsys):

@@ -74,7 +74,9 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
 QUANT_CASES = {"moe-quant-4096": (4096, "bfloat16", "int8", 2),
                "moe-quant-16384": (16384, "bfloat16", "int8", 2),
                "moe-quant-masked": (7168, "float16", "float8_e4m3fn", 1),
-               "moe-quant-fp32": (2048, "float32", "int8", 3)}
+               "moe-quant-fp32": (2048, "float32", "int8", 3),
+               "moe-quant-k8-1024": (1024, "bfloat16", "int8", 8),
+               "moe-quant-k8-16384": (16384, "bfloat16", "float8_e4m3fn", 8)}
 
 def _compile_forward(head_dim: int, causal: bool):
     import torch
@@ -186,7 +188,7 @@ def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int):
     T, E = 64, 8
     x_dtype, q_dtype = getattr(torch, dtype), getattr(torch, quant_dtype)
     block_n = triton.next_power_of_2(N)
-    config = _kernels.SMEM_QUANT_CONFIGS.get(("moe", block_n), _kernels.SmemQuantConfig(8, 3, 2))
+    config = _kernels.smem_quant_config(N, "moe", k) or _kernels.SmemQuantConfig(8, 3, 2)
     args = dict(x_ptr=torch.empty(T, N, dtype=x_dtype), smooth_ptr=torch.empty(E, N),
                 topk_ptr=torch.empty(T, k, dtype=torch.int32), q_ptr=torch.empty(T * k, N, dtype=q_dtype),
                 scale_ptr=torch.empty(T * k), T=T, N=N, num_experts=E, stride_xm=N, stride_sm=N, stride_tk_t=k,

@@ -510,6 +510,13 @@ SMEM_QUANT_CASES = [
     (300, 16384, 2, torch.float16, (16, 4, 1)),
     (400, 16384, 2, torch.bfloat16, (16, 3, 1)),     # the table's 16384 config
     (129, 32768, 3, torch.bfloat16, (16, 2, 1)),
+    # k > 2, the many-k form (ids re-read per row, the rows in a loop), at the table's configs: 64 columns a thread
+    (300, 1024, 8, torch.bfloat16, (1, 2, 16)),
+    (257, 2048, 6, torch.float16, (1, 2, 8)),
+    (1000, 4096, 8, torch.bfloat16, (2, 2, 4)),
+    (333, 7168, 5, torch.bfloat16, (4, 2, 2)),
+    (200, 8192, 8, torch.float32, (4, 2, 2)),
+    (129, 16384, 8, torch.bfloat16, (8, 2, 1)),
 ]
 
 
@@ -541,19 +548,24 @@ def _smem_quant_run(x, smooth_scale, topk_ids, quant_dtype, config):
 
 def test_smem_quant_table():
     """Which calls the Gluon forward's table gives it (on a GPU): MoE rows of 4096, 8192 and 16384 columns with
-    k <= 2 (k 8 measured slower than the Triton kernel), no other kind or width; never on the CPU lane."""
+    k <= 2, and of 1024 to 16384 columns with k > 2 (its many-k configs); no other kind or width; never on the CPU
+    lane."""
     from tilekernels.norm import _gluon
     from tilekernels.norm import _kernels as kern
 
-    assert kern.smem_quant_config(4096, "moe", 2) is kern.SMEM_QUANT_CONFIGS[("moe", 4096)]
-    assert kern.smem_quant_config(7168, "moe", 1) is kern.SMEM_QUANT_CONFIGS[("moe", 8192)]
-    assert kern.smem_quant_config(4096, "moe", 8) is None
-    assert kern.smem_quant_config(16384, "moe", 2) is kern.SMEM_QUANT_CONFIGS[("moe", 16384)]
-    assert kern.smem_quant_config(16384, "moe", 3) is None
-    assert kern.smem_quant_config(32768, "moe", 2) is None
+    table = kern.SMEM_QUANT_CONFIGS
+    assert kern.smem_quant_config(4096, "moe", 2) is table[("moe", 4096, False)]
+    assert kern.smem_quant_config(7168, "moe", 1) is table[("moe", 8192, False)]
+    assert kern.smem_quant_config(16384, "moe", 2) is table[("moe", 16384, False)]
+    assert kern.smem_quant_config(4096, "moe", 8) is table[("moe", 4096, True)]
+    assert kern.smem_quant_config(7168, "moe", 8) is table[("moe", 8192, True)]
+    assert kern.smem_quant_config(16384, "moe", 3) is table[("moe", 16384, True)]
+    assert kern.smem_quant_config(1000, "moe", 4) is table[("moe", 1024, True)]
+    assert kern.smem_quant_config(1024, "moe", 2) is None and kern.smem_quant_config(512, "moe", 8) is None
+    assert kern.smem_quant_config(32768, "moe", 2) is None and kern.smem_quant_config(32768, "moe", 8) is None
     assert kern.smem_quant_config(4096, "smooth") is None and kern.smem_quant_config(4096, None) is None
     x = torch.zeros(4, 4096, dtype=torch.bfloat16)
-    assert not _gluon.smem_quant_applies(x, kern.SMEM_QUANT_CONFIGS[("moe", 4096)], 4096)
+    assert not _gluon.smem_quant_applies(x, table[("moe", 4096, False)], 4096)
 
 
 @gpu

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from .._runtime import is_interpreter
-from ._kernels import FP32_MAX, NORM_LAYER, PRESCALE, ROUND_HALF_EVEN, TINY_AMAX
+from ._kernels import FP32_MAX, HELD_TOPK, NORM_LAYER, PRESCALE, ROUND_HALF_EVEN, TINY_AMAX
 
 try:  # gluon ships with triton 3.6 and 3.9
     from triton.experimental import gluon
@@ -550,12 +550,17 @@ if HAVE_GLUON:
         k-1, one id each) into ring slots by cp.async, one commit group. The ids travel through shared memory
         too: a register loaded a few tokens ahead would still be waited for within one iteration (the loop moves
         it from register to register, and a move waits for the load)."""
+        _async_load(x_slot, x_ptr + token.to(gl.int64) * stride_xm + cols, mask=mask_n & (token < T))
+        _stage_ids(ids_slot, topk_ptr, ids_token, T, stride_tk_t, stride_tk_j, TOPK)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _stage_ids(ids_slot, topk_ptr, token, T, stride_tk_t, stride_tk_j, TOPK: gl.constexpr):
+        """Token ``token``'s expert ids into an ids slot by cp.async (threads 0 .. k-1, one id each; not committed)."""
         lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         lane = gl.arange(0, 32 * gl.num_warps(), layout=lane_layout)
-        _async_load(x_slot, x_ptr + token.to(gl.int64) * stride_xm + cols, mask=mask_n & (token < T))
-        _async_load(ids_slot, topk_ptr + ids_token.to(gl.int64) * stride_tk_t + lane * stride_tk_j,
-                    mask=(lane < TOPK) & (ids_token < T))
-        async_copy.commit_group()
+        _async_load(ids_slot, topk_ptr + token.to(gl.int64) * stride_tk_t + lane * stride_tk_j,
+                    mask=(lane < TOPK) & (token < T))
 
     @gluon.jit
     def _slot_ids(ids_slot, KP: gl.constexpr):
@@ -585,6 +590,14 @@ if HAVE_GLUON:
         # each copy group: a token's x and the next token's ids (a slot more than x's ring: a slot is refilled only
         # after a CTA barrier that every thread passed after reading it)
         ids_ring = gl.allocate_shared_memory(topk_ptr.dtype.element_ty, [STAGES + 1, 32 * gl.num_warps()], ring_layout)
+        # k <= HELD_TOPK: a token's k rows unrolled, its ids held in registers (loaded from their slot a token ahead).
+        # Larger k (the many-k form): a loop over the rows, each re-reading its ids from their slot, so the first
+        # token's ids go through the ring too (slot 0). Held ids (two int64 [k] a thread) and unrolled rows took
+        # 150-167 registers at k 8 where k 2 takes 128 (``_kernels.SMEM_QUANT_CONFIGS`` has the figures).
+        HOLD_IDS: gl.constexpr = TOPK <= HELD_TOPK
+        gl.static_assert(STAGES >= 2, "the ring stages at least one token ahead")
+        if not HOLD_IDS:
+            _stage_ids(ids_ring.index(0), topk_ptr, pid, T, stride_tk_t, stride_tk_j, TOPK)   # joins the first group
         for s in gl.static_range(STAGES - 1):
             _stage_token(ring.index(s), ids_ring.index(s + 1), x_ptr, topk_ptr, pid + s * step, pid + (s + 1) * step, T,
                          cols, mask_n, stride_xm, stride_tk_t, stride_tk_j, TOPK)
@@ -602,22 +615,35 @@ if HAVE_GLUON:
                          stride_tk_t, stride_tk_j, TOPK)
             async_copy.wait_group(STAGES - 1)
             _cta_barrier()   # the next token's ids landed (copied by other threads)
-            ids_next = _slot_ids(ids_ring.index((it + 1) % (STAGES + 1)), KP)
+            if HOLD_IDS:
+                ids_next = _slot_ids(ids_ring.index((it + 1) % (STAGES + 1)), KP)
             # read once for the token's k rows and held as read (16-bit x: half the registers of fp32), converted
             # per row (holding it converted measured 0.1-0.3% slower)
             x = ring.index(slot).load(layout)
-            for j in gl.static_range(TOPK):
-                valid = smooth_valid
-                row_smooth = smooth
-                # the next row's expert row: this token's next choice, or the next token's first
-                if j + 1 < TOPK:
-                    smooth_valid, smooth = _expert_row(smooth_ptr, ids, j + 1, num_experts, stride_sm, cols, mask_n,
-                                                       KP)
-                else:
-                    smooth_valid, smooth = _expert_row(smooth_ptr, ids_next, 0, num_experts, stride_sm, cols, mask_n,
-                                                       KP)
-                _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX)
-            ids = ids_next
+            if HOLD_IDS:
+                for j in gl.static_range(TOPK):
+                    valid = smooth_valid
+                    row_smooth = smooth
+                    # the next row's expert row: this token's next choice, or the next token's first
+                    if j + 1 < TOPK:
+                        smooth_valid, smooth = _expert_row(smooth_ptr, ids, j + 1, num_experts, stride_sm, cols,
+                                                           mask_n, KP)
+                    else:
+                        smooth_valid, smooth = _expert_row(smooth_ptr, ids_next, 0, num_experts, stride_sm, cols,
+                                                           mask_n, KP)
+                    _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX)
+            else:
+                for j in range(TOPK):
+                    valid = smooth_valid
+                    row_smooth = smooth
+                    # the next row's: this token's next choice (slot `it`), or the next token's first (slot `it` + 1)
+                    last = j + 1 == TOPK
+                    source = _slot_ids(ids_ring.index((it + last.to(gl.int32)) % (STAGES + 1)), KP)
+                    smooth_valid, smooth = _expert_row(smooth_ptr, source, (j + 1) % TOPK, num_experts, stride_sm,
+                                                       cols, mask_n, KP)
+                    _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX)
+            if HOLD_IDS:
+                ids = ids_next
             slot = (slot + 1) % STAGES
             it += 1
         async_copy.wait_group(0)   # the last copies (of no token: masked) land before the program exits

@@ -848,29 +848,46 @@ class SmemQuantConfig:
     num_warps: int
     stages: int = 3
     programs_per_sm: int = 1
-    # MoE: the most expert choices per token (k) it takes; None: any
-    max_topk: int | None = None
 
 
-# (kind, power-of-two width) -> SmemQuantConfig: where the Gluon MoE forward replaces the Triton one on a
-# GPU (when its ring fits in shared memory and x's rows suit cp.async). H100 sweep (bf16 x, int8, 256 MiB of x,
+# MoE with more expert choices per token than this takes the Gluon loop's many-k form (its ids re-read from the
+# ring for each row, a loop over the k rows that is not unrolled) and the table's many-k configs
+HELD_TOPK = tl.constexpr(2)
+
+# (kind, power-of-two width, k > HELD_TOPK) -> SmemQuantConfig: where the Gluon MoE forward replaces the Triton one
+# on a GPU (when its ring fits in shared memory and x's rows suit cp.async). H100 sweep (bf16 x, int8, 256 MiB of x,
 # 3 interleaved rounds of do_bench medians, fractions of a copy timed in the same process, benchmarks/NOTES.md):
 # - moe_smooth_quant, E 8, k 2: 4096 columns 0.90 (4 warps, 4 programs per SM, 2 or 3 ring slots; the Triton
 #   kernel 0.82), 8192 0.86 (8 warps, 2 per SM, 2 slots; Triton 0.81; 3 slots 0.75); 0.91 / 0.87 since the ids
-#   travel through the ring. With E 64, k 2: 0.89 /
-#   0.86 against 0.80 / 0.82. But with k 8 (E 64) 0.50 / 0.52 against the Triton kernel's 0.58 / 0.60, so
-#   only k <= 2 takes it. With z held from max|z| to q (``_gluon._quant_row``, 2026-11-24, same configs):
-#   4096 0.923-0.929, 8192 0.884-0.890. At 16384 the ring then beats the Triton kernel too: 16 warps, one
-#   program per SM, 3 slots 0.759-0.763 (2 slots 0.745-0.748, 4 slots 0.748-0.751, 8 warps in two programs
-#   0.74, 32 warps 0.68) against 0.723-0.727; with E 64 0.764-0.765 against 0.736-0.741. At 32768 the expert
-#   rows held one row ahead take too many registers (0.24-0.32 with spills, against 0.73). Then x read from
-#   its slot once per token and held for the k rows: 4096 0.931-0.935, 8192 0.905-0.908, 16384 0.776-0.778.
+#   travel through the ring. With E 64, k 2: 0.89 / 0.86 against 0.80 / 0.82. But with k 8 (E 64) 0.50 / 0.52
+#   against the Triton kernel's 0.58 / 0.60, so at first only k <= 2 took it (larger k: the last point). With z
+#   held from max|z| to q (``_gluon._quant_row``, 2026-11-24, same configs): 4096 0.923-0.929, 8192 0.884-0.890.
+#   At 16384 the ring then beats the Triton kernel too: 16 warps, one program per SM, 3 slots 0.759-0.763 (2 slots
+#   0.745-0.748, 4 slots 0.748-0.751, 8 warps in two programs 0.74, 32 warps 0.68) against 0.723-0.727; with E 64
+#   0.764-0.765 against 0.736-0.741. At 32768 the expert rows held one row ahead take too many registers (0.24-0.32
+#   with spills, against 0.73). Then x read from its slot once per token and held for the k rows: 4096
+#   0.931-0.935, 8192 0.905-0.908, 16384 0.776-0.778.
 # - dynamic / smooth quantisation through the same loop (the smooth row loaded once per program) measured
 #   slower than the Triton kernel at every width (smooth_quant 0.85 against 0.90 at 32768, 0.93-0.95 against
 #   0.96-0.98 at 4096-16384), so the loop does MoE only.
-SMEM_QUANT_CONFIGS = {("moe", 4096): SmemQuantConfig(4, stages=2, programs_per_sm=4, max_topk=2),
-                      ("moe", 8192): SmemQuantConfig(8, stages=2, programs_per_sm=2, max_topk=2),
-                      ("moe", 16384): SmemQuantConfig(16, stages=3, programs_per_sm=1, max_topk=2)}
+# - k > 2 (2026-11-25, E 64, 128 MiB of x, 2 interleaved rounds). The unrolled k rows held two tokens' ids (int64
+#   [k] per thread) and took 150-167 registers at 32 columns a thread, so fewer programs fitted than the grid
+#   assumed; the many-k form takes 128 there. Then 64 columns a thread (254 registers, no spills) in as many
+#   programs per SM as fit won at every width: fewer warps per row means less per-row overhead, which dominates
+#   when a token writes 8 rows. Against the Triton kernel (the table before), k 8 / k 4, fractions of copy:
+#   1024 0.83 / 0.86 (0.42 / 0.50), 2048 0.83 / 0.84 (0.53 / 0.61), 4096 0.79 / 0.84 (0.57 / 0.65), 8192 0.75 /
+#   0.81 (0.59 / 0.67), 16384 0.61 / 0.66 (0.53 / 0.60), and the masked widths through the 8192 config: 5120
+#   0.54 / 0.60 (0.30 / 0.34), 6144 0.62 / 0.68 (0.33 / 0.38), 7168 0.69 / 0.75 (0.35 / 0.41). q and row_scale
+#   bit-identical to the Triton kernel's (k 3-8, bad ids, masked widths, fp16 / fp32 x, e4m3). At k 2, 64 columns
+#   a thread measured level to 3% under the table's configs.
+SMEM_QUANT_CONFIGS = {("moe", 4096, False): SmemQuantConfig(4, stages=2, programs_per_sm=4),
+                      ("moe", 8192, False): SmemQuantConfig(8, stages=2, programs_per_sm=2),
+                      ("moe", 16384, False): SmemQuantConfig(16, stages=3, programs_per_sm=1),
+                      ("moe", 1024, True): SmemQuantConfig(1, stages=2, programs_per_sm=16),
+                      ("moe", 2048, True): SmemQuantConfig(1, stages=2, programs_per_sm=8),
+                      ("moe", 4096, True): SmemQuantConfig(2, stages=2, programs_per_sm=4),
+                      ("moe", 8192, True): SmemQuantConfig(4, stages=2, programs_per_sm=2),
+                      ("moe", 16384, True): SmemQuantConfig(8, stages=2, programs_per_sm=1)}
 
 # tests and sweeps: {"forward": RowConfig, "backward": RowConfig, "smem_backward": SmemBackwardConfig, or None
 # for the Triton backward, "smem_quant": SmemQuantConfig, or None for the Triton forward}
@@ -886,10 +903,7 @@ def smem_quant_config(N: int, kind: str | None, topk: int = 0) -> SmemQuantConfi
         return config_override["smem_quant"]
     if "forward" in config_override:
         return None
-    config = SMEM_QUANT_CONFIGS.get((kind, triton.next_power_of_2(N)))
-    if config is not None and config.max_topk is not None and topk > config.max_topk:
-        return None
-    return config
+    return SMEM_QUANT_CONFIGS.get((kind, triton.next_power_of_2(N), topk > HELD_TOPK.value))
 
 
 def smem_backward_config(N: int, norm: str) -> SmemBackwardConfig | None:

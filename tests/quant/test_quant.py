@@ -568,6 +568,27 @@ def test_smem_quant_table():
     assert not _gluon.smem_quant_applies(x, table[("moe", 4096, False)], 4096)
 
 
+def test_masked_forward_table(monkeypatch):
+    """Rows shorter than their power-of-two tile take ``MASKED_FORWARD``'s configs on a GPU: 32 columns a thread for
+    the norms and dynamic_quant at tiles of 4096 and 8192, a persistent prefetching loop for smooth_quant at the
+    16384 tile; full tiles and the other kinds keep ``TUNED_FORWARD`` and the defaults."""
+    from tilekernels.norm import _kernels as kern
+
+    monkeypatch.setattr(kern, "_lane", lambda device: "gpu")
+    device = torch.device("cpu")
+    assert kern.forward_config(5120, device) == kern.RowConfig(1, 8192, 8)
+    assert kern.forward_config(2560, device, "dynamic") == kern.RowConfig(1, 4096, 4)
+    assert kern.forward_config(8192, device) == kern.RowConfig(1, 8192, 16)   # a full tile: the default
+    assert kern.forward_config(14336, device, "smooth") == kern.RowConfig(1, 16384, 16, programs_per_sm=2,
+                                                                          prefetch=True, persistent=True)
+    assert kern.forward_config(16384, device, "smooth") == kern.RowConfig(1, 16384, 16)
+    # no masked entry: the tuned one (smooth_quant at the 8192 tile: a persistent loop, 4 programs per SM)
+    assert kern.forward_config(5120, device, "smooth") == kern.forward_config(8192, device, "smooth")
+    assert kern.forward_config(12288, device, "dynamic") == kern.RowConfig(1, 16384, 16)
+    monkeypatch.setattr(kern, "_lane", lambda device: "interpreter")
+    assert kern.forward_config(5120, device) == kern.RowConfig(1, 1024, 4, programs_per_sm=2)
+
+
 @gpu
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
 @pytest.mark.parametrize("T, H, k, dtype, config", [

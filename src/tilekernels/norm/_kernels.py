@@ -760,6 +760,20 @@ TUNED_FORWARD = {
     "dynamic": {32768: (None, 2, True)},
     "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (16, 1, True)},
 }
+# Rows of N below their power-of-two tile (the columns past N masked; hidden sizes such as 2560, 5120, 7168,
+# 14336), the same form, first match here and then in ``TUNED_FORWARD``; kind None is the norms (layer_norm,
+# rms_norm, add_rms_norm_quant). H100 sweep (2026-11-25, bf16, 128 MiB of x, 2 interleaved rounds, fractions of
+# copy, the tables' choice before in brackets):
+# - 32 columns a thread instead of 16 (fewer warps, no masked lane idle in a whole warp): layer_norm 2560 0.94
+#   (0.88), 5120 0.92 (0.79), 6144 0.95 (0.87); dynamic_quant 2560 0.95 (0.85), 5120 0.90 (0.82).
+# - smooth_quant at 10240-14336 (the 16384 tile): one program per row re-read its fp32 smooth row each row and
+#   measured 0.61-0.67; a persistent loop, 16 warps, two programs per SM, prefetching: 0.80 / 0.85 / 0.89 at
+#   10240 / 12288 / 14336 (at 16384 itself one program per row stays ahead: 0.91 against 0.90).
+MASKED_FORWARD = {
+    None: {4096: (4, None, False), 8192: (8, None, False)},
+    "dynamic": {4096: (4, None, False), 8192: (8, None, False)},
+    "smooth": {16384: (16, 2, True)},
+}
 
 
 def lean_quant(config: RowConfig, kind: str | None, N: int) -> bool:
@@ -927,7 +941,8 @@ def _warps(elements: int) -> int:
 
 def forward_config(N: int, device, kind: str | None = None) -> RowConfig:
     """``kind``: "smooth", "dynamic" or "moe" for tk.smooth_quant / tk.dynamic_quant /
-    tk.moe_smooth_quant (``TUNED_FORWARD``)."""
+    tk.moe_smooth_quant (``TUNED_FORWARD``), None for the norms; rows shorter than their tile look in
+    ``MASKED_FORWARD`` first."""
     if "forward" in config_override:
         return config_override["forward"]
     lane = _lane(device)
@@ -935,7 +950,10 @@ def forward_config(N: int, device, kind: str | None = None) -> RowConfig:
         block_n = triton.next_power_of_2(N)
         block_m = max(1, min(64, MIN_TILE_ELEMENTS // block_n))
         config = RowConfig(block_m, block_n, _warps(block_m * block_n))
-        tuned = TUNED_FORWARD.get(kind, {}).get(block_n) if lane == "gpu" else None
+        tuned = None
+        if lane == "gpu":
+            masked = MASKED_FORWARD.get(kind, {}).get(block_n) if N < block_n else None
+            tuned = masked or TUNED_FORWARD.get(kind, {}).get(block_n)
         if tuned is not None:
             warps, programs, prefetch = tuned
             config = dataclasses.replace(config, num_warps=warps or config.num_warps)

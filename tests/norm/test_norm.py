@@ -412,6 +412,29 @@ def check_norm_quant(name, case, inputs, result, quant, quant_dtype, smooth_scal
         check_s(name, case, inputs, s)
 
 
+def test_forward_kind_of_a_norm_with_quantised_rows_only(monkeypatch, device):
+    """A norm whose quantised rows are all a call returns looks up its own configs (kind "layer+dynamic" ...);
+    with a residual, x_bias or the unquantised y as well it keeps the norms' (kind None)."""
+    from tilekernels.norm import _kernels as kern
+    from tilekernels.norm import norm as norm_module
+
+    kinds = []
+    real = kern.forward_config
+    monkeypatch.setattr(kern, "forward_config", lambda N, dev, kind=None: kinds.append(kind) or real(N, dev, kind))
+    x = torch.randn(4, 64, device=device)
+    w, b, smooth = torch.randn(64, device=device), torch.randn(64, device=device), torch.rand(64, device=device) + 0.5
+    calls = [lambda: tk.layer_norm(x, w, b, quant="dynamic"),
+             lambda: tk.rms_norm(x, w, quant="smooth", smooth_scale=smooth),
+             lambda: tk.layer_norm(x, w, b, quant="dynamic", residual=x),
+             lambda: tk.rms_norm(x, w, quant="dynamic", return_unquantized=True),
+             lambda: tk.layer_norm(x, w, b)]
+    for fn in calls:
+        norm_module._FORWARD_PLANS.clear()
+        fn()
+    norm_module._FORWARD_PLANS.clear()
+    assert kinds == ["layer+dynamic", "rms+smooth", None, None, None]
+
+
 @pytest.mark.parametrize("case, quant, quant_dtype, return_unquantized", quant_cases())
 def test_quantized_outputs(case, quant, quant_dtype, return_unquantized, device, poison_allocations):
     inputs = make_inputs(case, device)
@@ -839,6 +862,24 @@ def test_gpu_quantized(op, quant, quant_dtype, device, poison_allocations):
     result = call(case, inputs, **options)
     check_norm_quant(f"{case.name}-{quant}-{QUANT_NAMES[quant_dtype]}", case, inputs, result, quant, quant_dtype,
                      smooth_scale, True)
+
+
+@gpu
+@pytest.mark.parametrize("N", [4096, 8192, 16384, 32768, 5000])
+@pytest.mark.parametrize("quant", ["dynamic", "smooth"])
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_quantized_only(op, quant, N, device, poison_allocations):
+    """q and row_scale alone (no residual, no y): the forward configs tuned for a norm's quantised rows
+    (``_kernels.TUNED_FORWARD``, kinds such as "layer+dynamic"), persistent ones included."""
+    case = norm_case(op, torch.bfloat16, 3000 if N <= 8192 else 700, N)
+    inputs = make_inputs(case, device)
+    options = {"quant": quant, "quant_dtype": torch.int8}
+    smooth_scale = None
+    if quant == "smooth":
+        smooth_scale = torch.rand(case.N, device=device) + 0.5
+        options["smooth_scale"] = smooth_scale
+    result = call(case, inputs, **options)
+    check_norm_quant(f"{case.name}-{quant}-only", case, inputs, result, quant, torch.int8, smooth_scale, False)
 
 
 GPU_BACKWARD_CASES = [

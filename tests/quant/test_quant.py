@@ -585,6 +585,10 @@ def test_masked_forward_table(monkeypatch):
     # no masked entry: the tuned one (smooth_quant at the 8192 tile: a persistent loop, 4 programs per SM)
     assert kern.forward_config(5120, device, "smooth") == kern.forward_config(8192, device, "smooth")
     assert kern.forward_config(12288, device, "dynamic") == kern.RowConfig(1, 16384, 16)
+    # a norm's quantised rows alone (kind "layer+dynamic" ...) take their own tuned configs
+    assert kern.forward_config(8192, device, "layer+dynamic") == kern.RowConfig(1, 8192, 4, programs_per_sm=2,
+                                                                                 prefetch=True, persistent=True)
+    assert kern.forward_config(4096, device, "rms+dynamic") == kern.RowConfig(1, 4096, 4)
     monkeypatch.setattr(kern, "_lane", lambda device: "interpreter")
     assert kern.forward_config(5120, device) == kern.RowConfig(1, 1024, 4, programs_per_sm=2)
 

@@ -759,6 +759,16 @@ TUNED_FORWARD = {
     "smooth": {4096: (None, 4, True), 8192: (None, 4, True), 16384: (16, None, False), 32768: (16, 1, False)},
     "dynamic": {32768: (None, 2, True)},
     "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (16, 1, True)},
+    # a norm whose quantised rows (q, row_scale) are all it returns, no residual or x_bias: more columns a thread
+    # and, where the weight, bias and smooth rows would be re-read per row, a persistent loop. H100 sweep
+    # (2026-11-25, bf16, int8, 128 MiB of x, 2 rounds, fractions of copy at 4096 / 8192 / 16384 / 32768, the
+    # norms' defaults in brackets): layer+dynamic 0.81 / 0.86 / 0.84 / 0.50 (0.74 / 0.59 / 0.50 / 0.47),
+    # layer+smooth 0.74 / 0.72 / 0.57 / 0.41 (0.57 / 0.52 / 0.42 / 0.36), rms+dynamic 0.91 / 0.91 / 0.88 / 0.75
+    # (0.88 / 0.83 / 0.85 / 0.69). rms+smooth takes layer+smooth's configs.
+    "layer+dynamic": {4096: (4, None, False), 8192: (4, 2, True), 16384: (8, 1, True), 32768: (16, None, False)},
+    "layer+smooth": {4096: (8, 2, True), 8192: (8, 1, True), 16384: (8, 2, False), 32768: (16, None, False)},
+    "rms+dynamic": {4096: (4, None, False), 8192: (4, None, False), 16384: (16, 1, True), 32768: (16, None, False)},
+    "rms+smooth": {4096: (8, 2, True), 8192: (8, 1, True), 16384: (8, 2, False), 32768: (16, None, False)},
 }
 # Rows of N below their power-of-two tile (the columns past N masked; hidden sizes such as 2560, 5120, 7168,
 # 14336), the same form, first match here and then in ``TUNED_FORWARD``; kind None is the norms (layer_norm,

@@ -149,6 +149,8 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         quant_only = quantise and not (store_y or store_stats)   # q and row_scale are all the call returns
         standalone = norm == "none" and residual is None and x_bias is None
         kind = ("moe" if topk_ids is not None else quant) if standalone else None
+        if kind is None and quant_only and residual is None and x_bias is None:
+            kind = f"{norm}+{quant}"   # a norm whose quantised rows are all it returns (_kernels.TUNED_FORWARD)
         topk = topk_ids.shape[1] if topk_ids is not None else 0
         smem = kern.smem_quant_config(N, kind, topk) if quant_only else None
         block_n = triton.next_power_of_2(N)

@@ -771,9 +771,9 @@ TUNED_FORWARD = {
     "rms+smooth": {4096: (8, 2, True), 8192: (8, 1, True), 16384: (8, 2, False), 32768: (16, None, False)},
 }
 # Rows of N below their power-of-two tile (the columns past N masked; hidden sizes such as 2560, 5120, 7168,
-# 14336), the same form, first match here and then in ``TUNED_FORWARD``; kind None is the norms (layer_norm,
-# rms_norm, add_rms_norm_quant). H100 sweep (2026-11-25, bf16, 128 MiB of x, 2 interleaved rounds, fractions of
-# copy, the tables' choice before in brackets):
+# 14336), the same form, first match here and then in ``TUNED_FORWARD``; kind None is the norms that write y or
+# s (layer_norm, rms_norm, add_rms_norm_quant, ...). H100 sweep (2026-11-25, bf16, 128 MiB of x, 2 interleaved
+# rounds, fractions of copy, the tables' choice before in brackets):
 # - 32 columns a thread instead of 16 (fewer warps, no masked lane idle in a whole warp): layer_norm 2560 0.94
 #   (0.88), 5120 0.92 (0.79), 6144 0.95 (0.87); dynamic_quant 2560 0.95 (0.85), 5120 0.90 (0.82).
 # - smooth_quant at 10240-14336 (the 16384 tile): one program per row re-read its fp32 smooth row each row and

@@ -754,11 +754,13 @@ MIN_TILE_ELEMENTS = 2048
 #   Since the prefetch carries the next tile's expert ids with its x (the expert rows no longer wait for
 #   the ids), 16 warps prefetching in one persistent program per SM lead at 32768: 0.734-0.741 against
 #   0.695-0.703 with 32 warps (H100, 2026-11-23, 3 rounds each in two runs); at 16384 prefetching
-#   measured 0.63-0.67 against 0.72-0.73 for the table's choice.
+#   measured 0.63-0.67 against 0.72-0.73 for the table's choice. 8 warps (2026-11-25, E 8 / E 64, 2 rounds, outputs
+#   bit-identical): k 2 0.750-0.754 against 0.724-0.729 (e4m3 0.773 against 0.762-0.765), k 4 0.58 against 0.55,
+#   k 8 0.49 against 0.47.
 TUNED_FORWARD = {
     "smooth": {4096: (None, 4, True), 8192: (None, 4, True), 16384: (16, None, False), 32768: (16, 1, False)},
     "dynamic": {32768: (None, 2, True)},
-    "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (16, 1, True)},
+    "moe": {4096: (2, None, False), 8192: (2, None, False), 16384: (16, 2, False), 32768: (8, 1, True)},
     # a norm whose quantised rows (q, row_scale) are all it returns, no residual or x_bias: more columns a thread
     # and, where the weight, bias and smooth rows would be re-read per row, a persistent loop. H100 sweep
     # (2026-11-25, bf16, int8, 128 MiB of x, 2 rounds, fractions of copy at 4096 / 8192 / 16384 / 32768, the

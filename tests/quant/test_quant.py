@@ -510,7 +510,7 @@ SMEM_QUANT_CASES = [
     (300, 16384, 2, torch.float16, (16, 4, 1)),
     (400, 16384, 2, torch.bfloat16, (16, 3, 1)),     # the table's 16384 config
     (129, 32768, 3, torch.bfloat16, (16, 2, 1)),
-    # k > 2, the many-k form (ids re-read per row, the rows in a loop), at the table's configs: 64 columns a thread
+    # k > 2, the many-k form (ids re-read per row, the rows in a loop), at the table's configs
     (300, 1024, 8, torch.bfloat16, (1, 2, 16)),
     (257, 2048, 6, torch.float16, (1, 2, 8)),
     (1000, 4096, 8, torch.bfloat16, (2, 2, 4)),

@@ -448,7 +448,8 @@ def test_quant_rule_catches_errors():
 
 @gpu
 @pytest.mark.parametrize("dtype, quant_dtype, M, N, layout",
-                         grid([(4096, 8192, "2d"), (4096, 4096, "padded"), (999, 32768, "2d"), (512, 131072, "2d")],
+                         grid([(4096, 8192, "2d"), (4096, 4096, "padded"), (999, 32768, "2d"), (512, 131072, "2d"),
+                               (1000, 5120, "2d"), (700, 14336, "padded")],   # rows below their tile (MASKED_FORWARD)
                               dtypes=[torch.bfloat16, torch.float32]))
 def test_gpu_dynamic_and_smooth_quant(dtype, quant_dtype, M, N, layout, device, poison_allocations):
     x = rows(M, N, dtype, device, layout)

@@ -85,8 +85,8 @@ def _latest_per_variant(rows: Sequence[dict], timing: str) -> list[list[dict]]:
     runs = [r for r in rows if r.get("mode", "bench") == "bench" and not r.get("interpreter")
             and r.get("timing", "eager") == timing]
     picked: dict[str, list[dict]] = {}
-    for variant in dict.fromkeys((r["variant"], r.get("layout")) for r in runs):
-        of_variant = [r for r in runs if (r["variant"], r.get("layout")) == variant]
+    for key in dict.fromkeys((r["variant"], r.get("layout")) for r in runs):
+        of_variant = [r for r in runs if (r["variant"], r.get("layout")) == key]
         last = max(of_variant, key=lambda r: (r.get("date", ""), r.get("run_id", "")))["run_id"]
         picked.setdefault(last, []).extend(r for r in of_variant if r["run_id"] == last)
     return sorted(picked.values(), key=lambda group: (group[0].get("date", ""), group[0]["run_id"]))

@@ -781,11 +781,8 @@ TUNED_FORWARD = {
 # - smooth_quant at 10240-14336 (the 16384 tile): one program per row re-read its fp32 smooth row each row and
 #   measured 0.61-0.67; a persistent loop, 16 warps, two programs per SM, prefetching: 0.80 / 0.85 / 0.89 at
 #   10240 / 12288 / 14336 (at 16384 itself one program per row stays ahead: 0.91 against 0.90).
-MASKED_FORWARD = {
-    None: {4096: (4, None, False), 8192: (8, None, False)},
-    "dynamic": {4096: (4, None, False), 8192: (8, None, False)},
-    "smooth": {16384: (16, 2, True)},
-}
+_THIRTY_TWO_COLUMNS = {4096: (4, None, False), 8192: (8, None, False)}
+MASKED_FORWARD = {None: _THIRTY_TWO_COLUMNS, "dynamic": _THIRTY_TWO_COLUMNS, "smooth": {16384: (16, 2, True)}}
 
 
 def lean_quant(config: RowConfig, kind: str | None, N: int) -> bool:

@@ -147,10 +147,12 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         quant_only = quantise and not (store_y or store_stats)   # q and row_scale are all the call returns
-        standalone = norm == "none" and residual is None and x_bias is None
-        kind = ("moe" if topk_ids is not None else quant) if standalone else None
-        if kind is None and quant_only and residual is None and x_bias is None:
-            kind = f"{norm}+{quant}"   # a norm whose quantised rows are all it returns (_kernels.TUNED_FORWARD)
+        kind = None   # the configs' kind (_kernels.TUNED_FORWARD): None for a norm that writes y or s
+        if residual is None and x_bias is None:
+            if norm == "none":   # tk.dynamic_quant, tk.smooth_quant, tk.moe_smooth_quant
+                kind = "moe" if topk_ids is not None else quant
+            elif quant_only:     # a norm whose quantised rows are all it returns
+                kind = f"{norm}+{quant}"
         topk = topk_ids.shape[1] if topk_ids is not None else 0
         smem = kern.smem_quant_config(N, kind, topk) if quant_only else None
         block_n = triton.next_power_of_2(N)

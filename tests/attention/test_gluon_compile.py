@@ -41,10 +41,11 @@ NORM_CASES = {"norm-bwd-layer-cpasync": ("layer", 2, 32, 8, 1), "norm-bwd-rms-re
               "norm-bwd-layer-regs-cluster2": ("layer", 2, 32, 8, 2, True, True, 3)}
 
 
-def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
+def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4, maxnreg: int | None = None):
     """Compile the Gluon kernel ``fn`` for sm_90 with these runtime ``args`` (tensors, descriptors, ints,
     floats, by name) and ``constexprs``, specialised as a launch would be: ints that are multiples of 16
-    and 16-byte aligned pointers marked divisible by 16."""
+    and 16-byte aligned pointers marked divisible by 16; ``maxnreg``: triton's register cap, as the launch
+    passes it."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -67,16 +68,19 @@ def _compile_sm90(fn, args: dict, constexprs: dict, num_warps: int = 4):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in args and divisible(args[n])}
     source = GluonASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()},
                             attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
-# moe_smooth_quant's Gluon forward (norm/_gluon._moe_rows_smem): (N, x dtype name, quant dtype name, k); the
-# widths with an SMEM_QUANT_CONFIGS entry take it, the others a config of their own
-QUANT_CASES = {"moe-quant-4096": (4096, "bfloat16", "int8", 2),
-               "moe-quant-16384": (16384, "bfloat16", "int8", 2),
-               "moe-quant-masked": (7168, "float16", "float8_e4m3fn", 1),
-               "moe-quant-fp32": (2048, "float32", "int8", 3),
-               "moe-quant-k8-1024": (1024, "bfloat16", "int8", 8),
-               "moe-quant-k8-16384": (16384, "bfloat16", "float8_e4m3fn", 8)}
+# moe_smooth_quant's Gluon forward (norm/_gluon._moe_rows_smem): (N, x dtype name, quant dtype name, k, ids dtype
+# name); the widths with an SMEM_QUANT_CONFIGS entry take it (and its register cap), the others a config of their own
+QUANT_CASES = {"moe-quant-4096": (4096, "bfloat16", "int8", 2, "int32"),
+               "moe-quant-4096-int64-ids": (4096, "bfloat16", "int8", 2, "int64"),
+               "moe-quant-8192-int64-ids": (8192, "bfloat16", "float8_e4m3fn", 2, "int64"),
+               "moe-quant-16384": (16384, "bfloat16", "int8", 2, "int32"),
+               "moe-quant-masked": (7168, "float16", "float8_e4m3fn", 1, "int32"),
+               "moe-quant-fp32": (2048, "float32", "int8", 3, "int32"),
+               "moe-quant-k8-1024": (1024, "bfloat16", "int8", 8, "int32"),
+               "moe-quant-k8-16384": (16384, "bfloat16", "float8_e4m3fn", 8, "int64")}
 
 def _compile_forward(head_dim: int, causal: bool):
     import torch
@@ -178,7 +182,7 @@ def _compile_norm_backward(norm: str, prefetch: int, num_warps: int, vec: int, s
         STAGES=stages), num_warps=num_warps)
 
 
-def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int):
+def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int, ids_dtype: str):
     import torch
     import triton
 
@@ -190,12 +194,12 @@ def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int):
     block_n = triton.next_power_of_2(N)
     config = _kernels.smem_quant_config(N, "moe", k) or _kernels.SmemQuantConfig(8, 3, 2)
     args = dict(x_ptr=torch.empty(T, N, dtype=x_dtype), smooth_ptr=torch.empty(E, N),
-                topk_ptr=torch.empty(T, k, dtype=torch.int32), q_ptr=torch.empty(T * k, N, dtype=q_dtype),
-                scale_ptr=torch.empty(T * k), T=T, N=N, num_experts=E, stride_xm=N, stride_sm=N, stride_tk_t=k,
-                stride_tk_j=1)
+                topk_ptr=torch.empty(T, k, dtype=getattr(torch, ids_dtype)),
+                q_ptr=torch.empty(T * k, N, dtype=q_dtype), scale_ptr=torch.empty(T * k), T=T, N=N, num_experts=E,
+                stride_xm=N, stride_sm=N, stride_tk_t=k, stride_tk_j=1)
     return _compile_sm90(_gluon._moe_rows_smem, args, dict(
         QMAX=QUANT_MAX[q_dtype], TOPK=k, BLOCK_N=block_n, VEC=16 // x_dtype.itemsize, STAGES=config.stages,
-        EVEN_N=N == block_n), num_warps=config.num_warps)
+        EVEN_N=N == block_n), num_warps=config.num_warps, maxnreg=config.maxnreg)
 
 
 def _main() -> None:

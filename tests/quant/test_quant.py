@@ -502,8 +502,10 @@ def test_gpu_moe_smooth_quant(H, id_dtype, quant_dtype, device, poison_allocatio
 
 # moe_smooth_quant's Gluon forward (norm/_gluon._moe_rows_smem): x streamed through a cp.async ring in shared memory
 SMEM_QUANT_CASES = [
-    # (T, H, k, x dtype, SmemQuantConfig arguments (warps, stages, programs per SM))
-    (1000, 4096, 2, torch.bfloat16, (4, 2, 4)),     # the table's configs (SMEM_QUANT_CONFIGS)
+    # (T, H, k, x dtype, SmemQuantConfig arguments (warps, stages, programs per SM[, maxnreg]))
+    (1000, 4096, 2, torch.bfloat16, (4, 2, 4, 128)),     # the table's configs (SMEM_QUANT_CONFIGS)
+    (1000, 4096, 2, torch.float16, (4, 2, 4, 128)),      # int64 ids under the register cap
+    (500, 8192, 2, torch.float16, (8, 2, 2, 128)),
     (333, 7168, 1, torch.bfloat16, (8, 2, 2)),      # H not a power of two: masked columns
     (200, 4096, 3, torch.float16, (4, 3, 2)),
     (64, 4096, 2, torch.float32, (4, 4, 2)),
@@ -565,8 +567,14 @@ def test_smem_quant_table():
     assert kern.smem_quant_config(1024, "moe", 2) is None and kern.smem_quant_config(512, "moe", 8) is None
     assert kern.smem_quant_config(32768, "moe", 2) is None and kern.smem_quant_config(32768, "moe", 8) is None
     assert kern.smem_quant_config(4096, "smooth") is None and kern.smem_quant_config(4096, None) is None
+    # a register cap lets the programs per SM it names fit in the SM's 64 K registers (int64 ids had taken the k <= 2
+    # configs at 4096 and 8192 past them)
+    for key in (("moe", 4096, False), ("moe", 8192, False)):
+        config = table[key]
+        assert config.maxnreg is not None, key
+        assert config.maxnreg * 32 * config.num_warps * config.programs_per_sm <= 65536, key
     x = torch.zeros(4, 4096, dtype=torch.bfloat16)
-    assert not _gluon.smem_quant_applies(x, table[("moe", 4096, False)], 4096)
+    assert not _gluon.smem_quant_applies(x, torch.zeros(4, 2, dtype=torch.int32), table[("moe", 4096, False)], 4096)
 
 
 def test_masked_forward_table(monkeypatch):
@@ -597,7 +605,8 @@ def test_masked_forward_table(monkeypatch):
 @gpu
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
 @pytest.mark.parametrize("T, H, k, dtype, config", [
-    pytest.param(*c, id=f"T{c[0]}H{c[1]}k{c[2]}-{DTYPE_NAMES[c[3]]}-w{c[4][0]}s{c[4][1]}p{c[4][2]}")
+    pytest.param(*c, id=f"T{c[0]}H{c[1]}k{c[2]}-{DTYPE_NAMES[c[3]]}-w{c[4][0]}s{c[4][1]}p{c[4][2]}"
+                          + (f"r{c[4][3]}" if len(c[4]) > 3 else ""))
     for c in SMEM_QUANT_CASES])
 def test_gpu_smem_quant(T, H, k, dtype, config, quant_dtype, device, poison_allocations):
     """The Gluon forward against the fp64 reference and bit for bit against the Triton forward, with rows of
@@ -631,17 +640,20 @@ def test_gpu_smem_quant(T, H, k, dtype, config, quant_dtype, device, poison_allo
 @gpu
 def test_gpu_smem_quant_falls_back():
     """x the Gluon forward cannot copy by cp.async (rows not 16-byte aligned, N not a multiple of 16, a column
-    stride) takes the Triton forward, and is right."""
+    stride), and more expert ids per token than a ring slot holds (k padded to a power of two past the program's
+    threads), take the Triton forward, and are right."""
     from tilekernels.norm._kernels import SmemQuantConfig
 
     device = torch.device("cuda")
-    cases = {"unaligned rows": rows(64, 4104, torch.bfloat16, device, "padded"),
-             "N 4100": rows(64, 4100, torch.bfloat16, device), "column step": rows(64, 4096, torch.bfloat16, device,
-                                                                                "step")}
-    for name, x in cases.items():
-        smooth_scale = torch.rand(4, x.shape[1], device=device) + 0.5
-        topk_ids = routing(x.shape[0], 2, 4, torch.int32, device)
-        q, row_scale, ran = _smem_quant_run(x, smooth_scale, topk_ids, torch.int8, SmemQuantConfig(4, 3, 2))
+    # name: (x, k, E, config)
+    cases = {"unaligned rows": (rows(64, 4104, torch.bfloat16, device, "padded"), 2, 4, SmemQuantConfig(4, 3, 2)),
+             "N 4100": (rows(64, 4100, torch.bfloat16, device), 2, 4, SmemQuantConfig(4, 3, 2)),
+             "column step": (rows(64, 4096, torch.bfloat16, device, "step"), 2, 4, SmemQuantConfig(4, 3, 2)),
+             "k 33 at one warp": (rows(40, 1024, torch.bfloat16, device), 33, 40, SmemQuantConfig(1, 2, 16))}
+    for name, (x, k, E, config) in cases.items():
+        smooth_scale = torch.rand(E, x.shape[1], device=device) + 0.5
+        topk_ids = routing(x.shape[0], k, E, torch.int32, device)
+        q, row_scale, ran = _smem_quant_run(x, smooth_scale, topk_ids, torch.int8, config)
         assert not ran, f"{name}: the Gluon forward ran"
         assert_quant_close(f"fallback {name}", q, row_scale, reference_moe_rows(x, smooth_scale, topk_ids),
                            torch_moe_rows(x, smooth_scale, topk_ids), torch.int8)

@@ -866,11 +866,14 @@ SMEM_BACKWARD_CONFIGS = {
 @dataclasses.dataclass(frozen=True)
 class SmemQuantConfig:
     """The Gluon MoE quantising forward (``_gluon._moe_rows_smem``): a persistent loop over rows of x that stream
-    through a ring of ``stages`` shared-memory rows filled by cp.async."""
+    through a ring of ``stages`` shared-memory rows filled by cp.async. ``maxnreg``: a register cap per thread
+    (triton's option) so that ``programs_per_sm`` programs fit on an SM whatever the ids' width; None: the
+    compiler's choice."""
 
     num_warps: int
     stages: int = 3
     programs_per_sm: int = 1
+    maxnreg: int | None = None
 
 
 # MoE with more expert choices per token than this takes the Gluon loop's many-k form (its ids re-read from the
@@ -903,8 +906,14 @@ HELD_TOPK = tl.constexpr(2)
 #   0.54 / 0.60 (0.30 / 0.34), 6144 0.62 / 0.68 (0.33 / 0.38), 7168 0.69 / 0.75 (0.35 / 0.41). q and row_scale
 #   bit-identical to the Triton kernel's (k 3-8, bad ids, masked widths, fp16 / fp32 x, e4m3). At k 2, 64 columns
 #   a thread measured level to 3% under the table's configs.
-SMEM_QUANT_CONFIGS = {("moe", 4096, False): SmemQuantConfig(4, stages=2, programs_per_sm=4),
-                      ("moe", 8192, False): SmemQuantConfig(8, stages=2, programs_per_sm=2),
+# - int64 ids (what ``torch.topk`` returns; the sweeps above used int32) took the 4096 and 8192 configs to 131
+#   registers (triton 3.6, sm_90) where int32 ids take 128, so an SM held 3 programs of the 4 the grid assumed
+#   (4096) or 1 of 2 (8192): 0.70 / 0.75 of copy against 0.93 / 0.91 (H100, 2026-12-07, E 8, k 2, 256 MiB of x, 3
+#   rounds). ``maxnreg`` 128 holds them at 128 with no spills: int64 0.927-0.930 / 0.903-0.906, int32
+#   unchanged (0.930-0.934 / 0.905-0.908), q bit-identical. 16384 (16 warps: 128 at most anyway) is 0.738 with int64
+#   ids against 0.774 with int32; the many-k configs lose 1% (4096, k 8: 0.811-0.815 against 0.820).
+SMEM_QUANT_CONFIGS = {("moe", 4096, False): SmemQuantConfig(4, stages=2, programs_per_sm=4, maxnreg=128),
+                      ("moe", 8192, False): SmemQuantConfig(8, stages=2, programs_per_sm=2, maxnreg=128),
                       ("moe", 16384, False): SmemQuantConfig(16, stages=3, programs_per_sm=1),
                       ("moe", 1024, True): SmemQuantConfig(1, stages=2, programs_per_sm=16),
                       ("moe", 2048, True): SmemQuantConfig(1, stages=2, programs_per_sm=8),

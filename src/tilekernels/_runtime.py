@@ -231,19 +231,32 @@ def fp32_precision() -> str:
 
 
 @triton.jit
+def interpreted_dot(a, b):
+    """``a @ b`` of floating tiles under the interpreter, as fp32: products and sums in fp64, rounded once.
+
+    The interpreter's ``tl.dot`` is numpy's fp32 matmul, whose BLAS sums K in an order that depends on the
+    tile's shape (OpenBLAS on the CPU machine's AMD EPYC: rows of a 16-row tile differed in the last bit from
+    the same rows of a 32-row tile), so kernels that are bit-identical across tile shapes on a GPU were not
+    under the interpreter. Summed in fp64 (exact products), another order moves the sum by a few fp64 units,
+    which changes the fp32 result only where the sum lies that close to an fp32 rounding boundary. Also right
+    for bf16, whose interpreted ``tl.dot`` is wrong, and for fp8.
+    """
+    part = tl.dot(a.to(tl.float32).to(tl.float64), b.to(tl.float32).to(tl.float64))
+    return part.to(tl.float32)
+
+
+@triton.jit
 def dot(a, b, acc, FP32_PRECISION: tl.constexpr):
     """``acc + a @ b`` with fp32 (int32 for int8) accumulation.
 
-    bf16 under the interpreter: widened to fp32 (exact products), since interpreted bf16 ``tl.dot`` is
-    wrong. fp32 on a GPU: ``FP32_PRECISION`` "ieee" (FMA) or "tf32" (tensor cores, operands rounded to
-    nearest tf32 first); the interpreter computes fp32 exactly either way.
+    Under the interpreter: ``interpreted_dot`` for floating tiles (the same bits whatever the tile shape; bf16
+    ``tl.dot`` is wrong there). fp32 on a GPU: ``FP32_PRECISION`` "ieee" (FMA) or "tf32" (tensor cores, operands
+    rounded to nearest tf32 first); the interpreter computes fp32 exactly either way.
     """
     if INTERPRET:
-        if a.dtype == tl.bfloat16:
-            a = a.to(tl.float32)
-        if b.dtype == tl.bfloat16:
-            b = b.to(tl.float32)
-        return tl.dot(a, b, acc)
+        if a.dtype == tl.int8:
+            return tl.dot(a, b, acc)
+        return acc + interpreted_dot(a, b)
     elif a.dtype == tl.float32:
         if FP32_PRECISION == "ieee":
             return tl.dot(a, b, acc, input_precision="ieee")
@@ -306,7 +319,10 @@ def compensated_dot(a, b, acc, comp):
     K = 4096 on an H100); summing each BLOCK_K slice on its own and adding the slices with a carried
     compensation term leaves about the error of one slice. Costs 4 adds per element per slice.
     """
-    part = tl.dot(a, b, input_precision="ieee")
+    if INTERPRET:
+        part = interpreted_dot(a, b)
+    else:
+        part = tl.dot(a, b, input_precision="ieee")
     y = part - comp
     total = acc + y
     comp = (total - acc) - y

@@ -60,7 +60,12 @@ case "$cmd" in
       # the triton that torch pins on a GPU box (3.6 on the device image) lacks what they use.
       exec "$VPY" -m pytest -q tests -m "gpu and not multigpu" "$@"
     else
-      exec "$VPY" -m pytest -q tests -m "not gpu and not multigpu and not slow" "$@"
+      # The interpreter runs each test on one core: spread the tests over the cores (pytest-xdist), at most
+      # four workers (each holds its own torch), TK_TEST_WORKERS to choose (1: one process).
+      workers=${TK_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 1); echo $(( n < 4 ? n : 4 )))}
+      par=()
+      [ "$workers" -gt 1 ] && par=(-n "$workers")
+      exec "$VPY" -m pytest -q tests -m "not gpu and not multigpu and not slow" "${par[@]}" "$@"
     fi
     ;;
   *)

@@ -64,7 +64,7 @@ case "$cmd" in
       # four workers (each holds its own torch), TK_TEST_WORKERS to choose (1: one process).
       workers=${TK_TEST_WORKERS:-$(n=$(nproc 2>/dev/null || echo 1); echo $(( n < 4 ? n : 4 )))}
       par=()
-      [ "$workers" -gt 1 ] && par=(-n "$workers")
+      if [ "$workers" -gt 1 ] && "$VPY" -c "import xdist" >/dev/null 2>&1; then par=(-n "$workers"); fi
       exec "$VPY" -m pytest -q tests -m "not gpu and not multigpu and not slow" "${par[@]}" "$@"
     fi
     ;;

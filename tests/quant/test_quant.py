@@ -574,7 +574,7 @@ def test_smem_quant_table():
         assert config.maxnreg is not None, key
         assert config.maxnreg * 32 * config.num_warps * config.programs_per_sm <= 65536, key
     x = torch.zeros(4, 4096, dtype=torch.bfloat16)
-    assert not _gluon.smem_quant_applies(x, torch.zeros(4, 2, dtype=torch.int32), table[("moe", 4096, False)], 4096)
+    assert not _gluon.smem_quant_applies(x, 2, table[("moe", 4096, False)], 4096)
 
 
 def test_masked_forward_table(monkeypatch):

@@ -118,19 +118,20 @@ def smem_backward_applies(x: torch.Tensor, dy: torch.Tensor, ds, config, block_n
                                dy.dtype, config.acc_regs, config.stages) <= SMEM_BYTES
 
 
-def smem_quant_applies(x: torch.Tensor, topk_ids: torch.Tensor, config, block_n: int) -> bool:
-    """Whether the Gluon MoE forward runs ``config`` for x and its ``topk_ids`` (``block_n``: the row's power-of-two
-    width): it needs Gluon, a CUDA device of compute capability 8.0 or later, unit column strides, rows that
-    cp.async can copy 16 bytes at a time (16-byte aligned, N a multiple of 16), a token's ids (k padded to a power
-    of two) within a ring slot (one id per thread of a program), and a ring (x's rows and the ids' slots) that fits
-    in shared memory. Elsewhere the Triton forward runs."""
+def smem_quant_applies(x: torch.Tensor, topk: int, config, block_n: int) -> bool:
+    """Whether the Gluon MoE forward runs ``config`` for x with ``topk`` expert choices per token
+    (``block_n``: the row's power-of-two width): it needs Gluon, a CUDA device of compute capability 8.0
+    or later, unit column strides, rows that cp.async can copy 16 bytes at a time (16-byte aligned, N a
+    multiple of 16), a token's ids (k padded to a power of two) within a ring slot (one id per thread of a
+    program), and a ring (x's rows and the ids' slots) that fits in shared memory. Elsewhere the Triton
+    forward runs."""
     if config is None or not HAVE_GLUON or is_interpreter() or x.device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(x.device)[0] < 8 or x.shape[1] % 16 != 0 or not _aligned(x):
         return False
     if x.shape[1] > 1 and x.stride(1) != 1:
         return False
-    if triton.next_power_of_2(topk_ids.shape[1]) > 32 * config.num_warps:
+    if triton.next_power_of_2(topk) > 32 * config.num_warps:
         return False
     ids_ring = (config.stages + 1) * 32 * config.num_warps * 8   # the ids' slots (int64 at most)
     return config.stages * block_n * x.dtype.itemsize + ids_ring <= SMEM_BYTES

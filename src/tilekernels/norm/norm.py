@@ -156,7 +156,7 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
         topk = topk_ids.shape[1] if topk_ids is not None else 0
         smem = kern.smem_quant_config(N, kind, topk) if quant_only else None
         block_n = triton.next_power_of_2(N)
-        if _gluon.smem_quant_applies(x, topk_ids, smem, block_n):
+        if _gluon.smem_quant_applies(x, topk, smem, block_n):
             # a loop over tokens, the rows of x (MoE writes k rows for each)
             programs = kern.balanced_grid(x.shape[0], smem.programs_per_sm * sm_count(device))
             plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(_gluon._moe_rows_smem, programs, dict(

@@ -19,6 +19,7 @@ process only (see ``_pretend_h100``).
 
 import argparse
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--slices", type=int, default=0, help="epilogue column slices (0: the plan's choice)")
     parser.add_argument("--out", default="/tmp/sm90", help="folder for the TTGIR, PTX, cubin and SASS")
     parser.add_argument("--name", default="gemm", help="file name stem of the outputs")
+    parser.add_argument("--json", action="store_true", help="also print the figures as a RESULTS {json} line")
     args = parser.parse_args(argv)
 
     compiled = []
@@ -114,11 +116,17 @@ def main(argv=None) -> int:
                         epilogue_slices=args.slices)
     with override_config(config):
         tk.gemm(a, b, bias=bias, activation=args.activation, residual=residual)
+    results = {}
     for i, kernel in enumerate(compiled):
         name = args.name if len(compiled) == 1 else f"{args.name}-{i}"
         usage = _write_outputs(kernel, args.out, name)
         print(f"{name}: shared {kernel.metadata.shared} bytes; {usage}")
         print(f"  {os.path.join(args.out, name)}.{{ttgir,ptx,cubin,sass}}")
+        fields = dict(field.split(":", 1) for field in usage.split() if ":" in field)
+        results[name] = {"shared": kernel.metadata.shared, "registers": int(fields.get("REG", -1)),
+                         "local": int(fields.get("LOCAL", -1)), "files": os.path.join(args.out, name)}
+    if args.json:
+        print("RESULTS " + json.dumps(results))
     return 0
 
 

@@ -1,0 +1,30 @@
+"""scripts/compile_sm90.py compiles a TMA launch of tk.gemm for sm_90 on a machine without a GPU (CPU lane).
+
+The script is the developer's way to read a kernel change's shared memory, registers and spills before device
+time is spent on it; this keeps it working as tk.gemm's launch code changes. It runs in a child process (it
+replaces triton's driver and some of tk.gemm's device queries for the whole process) without
+``TRITON_INTERPRET`` and with an empty triton cache (the ``compile_in_child`` fixture).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "compile_sm90.py"
+
+
+def test_compile_sm90_heavy_epilogue(compile_in_child, tmp_path):
+    """A small heavy-epilogue launch (bias, gelu, residual; C and the residual through TMA): it compiles, its
+    outputs are written, and it fits an H100's shared memory."""
+    wrapper = tmp_path / "run.py"
+    wrapper.write_text(
+        "import runpy, sys\n"
+        f"sys.argv = [{str(SCRIPT)!r}, '--shape', '300x520x72', '--bias', '--activation', 'gelu', '--residual',\n"
+        f"            '--config', '64,128,32,8,4,2', '--out', {str(tmp_path / 'out')!r}, '--json']\n"
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    results = compile_in_child(wrapper)
+    (kernel,) = results.values()
+    assert 0 < kernel["shared"] <= 232448, kernel
+    assert kernel["registers"] > 0 and kernel["local"] >= 0, kernel
+    for ext in ("ttgir", "ptx", "cubin", "sass"):
+        assert pathlib.Path(f"{kernel['files']}.{ext}").stat().st_size > 0, ext

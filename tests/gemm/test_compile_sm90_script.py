@@ -28,3 +28,6 @@ def test_compile_sm90_heavy_epilogue(compile_in_child, tmp_path):
     assert kernel["registers"] > 0 and kernel["local"] >= 0, kernel
     for ext in ("ttgir", "ptx", "cubin", "sass"):
         assert pathlib.Path(f"{kernel['files']}.{ext}").stat().st_size > 0, ext
+    # planned as on an H100: the residual read and C written by TMA (what makes this the heavy epilogue's path)
+    ttgir = pathlib.Path(f"{kernel['files']}.ttgir").read_text()
+    assert "async_tma_copy_local_to_global" in ttgir and ttgir.count("async_tma_copy_global_to_local") >= 3

@@ -14,7 +14,7 @@ Measured against the device's own compile (triton 3.6, 2026-12-07): 213,032 byte
 registers for that call, as the H100 reported. The device image has triton 3.6 and CI 3.9; to compile with
 3.6 here, install it aside (``pip install --target /tmp/t36 --no-deps triton==3.6.0``) and put it first:
 ``PYTHONPATH=/tmp/t36:src``. This is a developer tool: it replaces a few of tk.gemm's device queries in this
-process only (see ``_pretend_h100``).
+process only (see ``_pretend_h100``). ``compile_gemm`` is the same for a script or a test (tests/gemm).
 """
 
 import argparse
@@ -41,15 +41,22 @@ class _H100Driver:
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 128)
+        return GPUTarget("cuda", 90, 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
 
 
-def _pretend_h100(compiled: list):
+_COMPILED: list = []
+_PRETENDING: list = []   # non-empty once _pretend_h100 has run (asking triton's driver would start one)
+
+
+def _pretend_h100():
     """Point triton at an sm_90 target and let tk.gemm plan a CPU call as an H100 launch; every launch is
-    compiled (``warmup``) instead of run, and appended to ``compiled``."""
+    compiled (``warmup``) instead of run, and appended to ``_COMPILED``. For the whole process, once."""
+    if _PRETENDING:
+        return
+    _PRETENDING.append(True)
     triton.runtime.driver.set_active(_H100Driver())
     from tilekernels import _runtime
     gemm_module = importlib.import_module("tilekernels.gemm.gemm")
@@ -58,9 +65,23 @@ def _pretend_h100(compiled: list):
     gemm_module.check_runnable = lambda device, name: None
 
     def compile_only(launch, args, device):
-        compiled.append(launch.kernel.warmup(*args, grid=(launch.grid,), **launch.constexprs, **launch.options))
+        _COMPILED.append(launch.kernel.warmup(*args, grid=(launch.grid,), **launch.constexprs, **launch.options))
 
     _runtime.CachedLaunch.__call__ = compile_only
+
+
+def compile_gemm(a: torch.Tensor, b: torch.Tensor, config, **epilogue) -> list:
+    """The kernels that ``tk.gemm(a, b, **epilogue)`` (CPU tensors) launches on an H100 under ``config``, compiled
+    for sm_90 exactly as a launch specialises them (triton's own binder); a row tail adds a second kernel."""
+    _pretend_h100()
+    import tilekernels as tk
+    from tilekernels.gemm.configs import override_config
+
+    importlib.import_module("tilekernels.gemm.gemm")._PLANS.clear()
+    _COMPILED.clear()
+    with override_config(config):
+        tk.gemm(a, b, **epilogue)
+    return list(_COMPILED)
 
 
 def _write_outputs(kernel, out_dir: str, name: str) -> str:
@@ -93,17 +114,15 @@ def main(argv=None) -> int:
     parser.add_argument("--activation", default=None, choices=["relu", "gelu", "gelu_tanh", "silu"])
     parser.add_argument("--residual", action="store_true", help="a residual [M, N]")
     parser.add_argument("--config", default="128,256,64,8,8,4",
-                        help="block_m,block_n,block_k,group_m,num_warps,num_stages (TMA operands)")
+                        help="block_m,block_n,block_k,group_m,num_warps,num_stages")
+    parser.add_argument("--pointer", action="store_true", help="operands by pointer loads, not TMA descriptors")
     parser.add_argument("--slices", type=int, default=0, help="epilogue column slices (0: the plan's choice)")
     parser.add_argument("--out", default="/tmp/sm90", help="folder for the TTGIR, PTX, cubin and SASS")
     parser.add_argument("--name", default="gemm", help="file name stem of the outputs")
     parser.add_argument("--json", action="store_true", help="also print the figures as a RESULTS {json} line")
     args = parser.parse_args(argv)
 
-    compiled = []
-    _pretend_h100(compiled)
-    import tilekernels as tk
-    from tilekernels.gemm.configs import GemmConfig, override_config
+    from tilekernels.gemm.configs import GemmConfig
 
     M, N, K = (int(v) for v in args.shape.lower().split("x"))
     dtype = _DTYPES[args.dtype]
@@ -112,10 +131,9 @@ def main(argv=None) -> int:
     bias = torch.randn(N, dtype=dtype) if args.bias else None
     residual = torch.randn(M, N, dtype=dtype) if args.residual else None
     block_m, block_n, block_k, group_m, num_warps, num_stages = (int(v) for v in args.config.split(","))
-    config = GemmConfig(block_m, block_n, block_k, group_m, num_warps, num_stages, use_tma=True,
+    config = GemmConfig(block_m, block_n, block_k, group_m, num_warps, num_stages, use_tma=not args.pointer,
                         epilogue_slices=args.slices)
-    with override_config(config):
-        tk.gemm(a, b, bias=bias, activation=args.activation, residual=residual)
+    compiled = compile_gemm(a, b, config, bias=bias, activation=args.activation, residual=residual)
     results = {}
     for i, kernel in enumerate(compiled):
         name = args.name if len(compiled) == 1 else f"{args.name}-{i}"

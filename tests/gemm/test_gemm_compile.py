@@ -4,9 +4,9 @@ TMA cannot read) loads its operands in 16-byte vectors, checked in the PTX compi
 Before the pointer path's hints (``gemm_kernel``: the clamped row and column offsets marked contiguous, the
 strides and the K tail marked by ``known_multiple``), a layout whose unit stride runs along M or N, a row
 stride of 8 elements mod 16, or a K tail compiled to one 2-byte load per element (bf16 on an H100 with TMA off: 14-53
-TFLOP/s). Each case here builds its launch exactly as ``tk.gemm`` does (``gemm._launch``, with the kernel's
-launch replaced by a capture of its arguments) and compiles it for sm_90 in a child process without
-``TRITON_INTERPRET``, with an empty triton cache; run this file as a script to see the cases' output.
+TFLOP/s). Each case calls ``tk.gemm`` and has its launch compiled for sm_90 as triton would specialise it on an
+H100 (``scripts/compile_sm90.py``'s ``compile_gemm``), in a child process without ``TRITON_INTERPRET``, with an
+empty triton cache; run this file as a script to see the cases' output.
 """
 
 from __future__ import annotations
@@ -27,49 +27,23 @@ CASES = {
 
 
 def _compile_case(layout: str, M: int, N: int, K: int) -> dict:
-    """Compile ``tk.gemm(a, b)``'s launch for sm_90; the sizes of its global loads and cp.async copies."""
-    import importlib
+    """Compile ``tk.gemm(a, b)``'s launch for sm_90 (``scripts/compile_sm90.py``); the sizes of its global loads
+    and cp.async copies."""
+    import importlib.util
+    import pathlib
 
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
 
-    from tilekernels import _runtime
-    from tilekernels.gemm.configs import GemmConfig, override_config
+    from tilekernels.gemm.configs import GemmConfig
 
-    gemm_mod = importlib.import_module("tilekernels.gemm.gemm")
-    captured = {}
-
-    def capture(self, args, device):
-        captured["launch"] = (self.kernel, args, self.constexprs, self.options)
-
-    _runtime.CachedLaunch.__call__ = capture
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "compile_sm90.py"
+    spec = importlib.util.spec_from_file_location("compile_sm90", path)
+    compile_sm90 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compile_sm90)
     dt = torch.bfloat16
     a = torch.empty(M, K, dtype=dt) if layout[0] == "R" else torch.empty(K, M, dtype=dt).t()
     b = torch.empty(K, N, dtype=dt) if layout[1] == "R" else torch.empty(N, K, dtype=dt).t()
-    c = torch.empty(M, N, dtype=dt)
-    with override_config(GemmConfig(128, 128, 64, 8, 4, 3)):
-        gemm_mod._launch(a, b, c, None, None, [], None, 1.0, 0.0, None, None, 1)
-    fn, args, constexprs, options = captured["launch"]
-    names = fn.arg_names
-    values = dict(zip([n for n in names if n not in constexprs], args))
-    constexprs = dict(constexprs)
-    for name, value in list(values.items()):  # as a launch specialises: None and the integer 1 are constants
-        if value is None or (type(value) is int and value == 1):
-            constexprs[name] = values.pop(name)
-
-    def divisible(value) -> bool:
-        if isinstance(value, torch.Tensor):
-            return value.data_ptr() % 16 == 0
-        return type(value) is int and value % 16 == 0
-
-    signature = {n: "constexpr" if n in constexprs else mangle_type(values[n]) for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in values and divisible(values[n])}
-    source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=options["num_warps"], num_stages=options["num_stages"]))
+    (kernel,) = compile_sm90.compile_gemm(a, b, GemmConfig(128, 128, 64, 8, 4, 3))
     ptx = kernel.asm["ptx"]
     copies = re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\d+B)? \[[^\]]*\], \[[^\]]*\], (0x[0-9a-f]+|\d+)",
                         ptx)

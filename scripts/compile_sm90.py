@@ -48,15 +48,16 @@ class _H100Driver:
 
 
 _COMPILED: list = []
-_PRETENDING: list = []   # non-empty once _pretend_h100 has run (asking triton's driver would start one)
+_pretending = False   # whether _pretend_h100 has run (asking triton's driver instead would start one)
 
 
 def _pretend_h100():
     """Point triton at an sm_90 target and let tk.gemm plan a CPU call as an H100 launch; every launch is
     compiled (``warmup``) instead of run, and appended to ``_COMPILED``. For the whole process, once."""
-    if _PRETENDING:
+    global _pretending
+    if _pretending:
         return
-    _PRETENDING.append(True)
+    _pretending = True
     triton.runtime.driver.set_active(_H100Driver())
     from tilekernels import _runtime
     gemm_module = importlib.import_module("tilekernels.gemm.gemm")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -734,6 +735,31 @@ def test_bad_input(build, match, device):
     fn = tk.flash_attn_func if mode == "batch" else tk.flash_attn_varlen_func
     with pytest.raises((ValueError, TypeError), match=match):
         fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name, offsets, where", [
+    pytest.param("cu_seqlens_q", [0, 5, 3], r"cu_seqlens_q\[2\] = 3 follows 5$", id="q-decreasing"),
+    pytest.param("cu_seqlens_k", [-1, 3, 8], r"cu_seqlens_k\[0\] = -1$", id="k-negative"),
+    pytest.param("cu_seqlens_q", [0, 3, 9], r"at most the 8 packed rows; cu_seqlens_q\[2\] = 9 follows 3$",
+                 id="q-past-the-rows"),
+    pytest.param("cu_seqlens_k", [0, 9, 8], r"cu_seqlens_k\[1\] = 9 follows 0$", id="k-past-then-back"),
+])
+def test_malformed_cu_seqlens_raise_on_the_cpu(name, offsets, where, device):
+    """The kernels trust cu_seqlens (a malformed one reads and writes out of bounds); on the CPU, where reading the
+    offsets costs nothing, flash_attn_varlen_func checks them and names the first bad one. Offsets that end short of
+    the packed rows, and empty sequences, stay valid."""
+    if device.type != "cpu":
+        pytest.skip("on a GPU the offsets are trusted, as in FlashAttention: checking them would synchronise")
+    S, H, D = 8, 2, 16
+    q, k, v = (random_tensor((S, H, D), torch.float16, device) for _ in range(3))
+    good = torch.tensor([0, 3, 8], dtype=torch.int32)
+    cu = {"cu_seqlens_q": good, "cu_seqlens_k": good, name: torch.tensor(offsets, dtype=torch.int32)}
+    with pytest.raises(ValueError, match=rf"{name} must be non-decreasing offsets") as info:
+        tk.flash_attn_varlen_func(q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 9, 9)
+    assert re.search(where, str(info.value)), str(info.value)
+    short = torch.tensor([0, 0, 5], dtype=torch.int32)   # an empty sequence, rows 5..7 in none
+    out = tk.flash_attn_varlen_func(q, k, v, short, short, 5, 5)
+    assert out[5:].eq(0).all() and not out.isnan().any()
 
 
 def test_hopper_backward_config_rejects_early_dq_with_split_d():

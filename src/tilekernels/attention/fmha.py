@@ -91,7 +91,8 @@ def _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes,
                              f"got {tuple(alibi_slopes.shape)}")
 
 
-def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device: torch.device) -> None:
+def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, device: torch.device, total_q: int,
+                      total_k: int) -> None:
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         check_tensor(name, t, 1, "[B + 1]")
         if t.dtype != torch.int32:
@@ -106,6 +107,16 @@ def _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, de
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be a host int >= 0, got {n!r}")
+    if device.type == "cpu" and plain_eager(cu_seqlens_q) and plain_eager(cu_seqlens_k):
+        # On the CPU (the interpreter) the offsets are host memory, so they are checked: the kernels trust them, and
+        # malformed ones read and write out of bounds. On a GPU checking them would synchronise, and they are trusted
+        # as in FlashAttention (README).
+        for name, t, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+            bad = torch.cat([t[:1] < 0, t[1:] < t[:-1]]) | (t > total)
+            if bool(bad.any()):
+                b = int(bad.nonzero()[0, 0])
+                raise ValueError(f"{name} must be non-decreasing offsets from >= 0 to at most the {total} packed "
+                                 f"rows; {name}[{b}] = {int(t[b])}" + (f" follows {int(t[b - 1])}" if b else ""))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -241,7 +252,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     varlen = cu_seqlens_q is not None
     _check_qkv(q, k, v, varlen)
     if varlen:
-        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device)
+        _check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.device, q.shape[0], k.shape[0])
     batch = cu_seqlens_q.shape[0] - 1 if varlen else q.shape[0]
     _check_options(dropout_p, softmax_scale, window_size, softcap, alibi_slopes, batch, q.shape[-2], q.device)
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
@@ -312,7 +323,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q (int32 ``[B + 1]``, on q's device) and likewise for k. A
     sequence may be empty. ``max_seqlen_q`` / ``max_seqlen_k`` are host ints bounding every length; they
     size the grid and are not checked against ``cu_seqlens`` (that would read the device), so a
-    sequence longer than its bound is computed only up to the bound. Returns out ``[total_q, H, D]``, or
+    sequence longer than its bound is computed only up to the bound. The offsets themselves are trusted on a GPU,
+    as in FlashAttention (malformed ones read and write out of bounds), and checked on the CPU, where reading them
+    is free (ValueError). Returns out ``[total_q, H, D]``, or
     ``(out, lse, None)`` with lse ``[H, total_q]``. Rows past the last sequence (a buffer sized for more
     tokens) belong to none: out 0, lse ``+inf``, zero gradients. Options as ``flash_attn_func``; causal and windows
     are aligned per sequence. No host synchronisation in forward or backward: both can be captured in

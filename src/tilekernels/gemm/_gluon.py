@@ -1,0 +1,262 @@
+"""A Hopper GEMM with the heavy epilogue's residual in shared memory before the tile's K loop ends (Gluon).
+
+WORK IN PROGRESS (branch ``wip/gluon-fused-epilogue``): compiled for sm_90 on the CPU machine only; never run.
+
+Why: in ``_kernels.gemm_kernel`` (Triton) the residual of ``act(A @ B + bias) + residual`` is read after the
+tile's last K step, one TMA copy per epilogue slice that the program waits for at once; at 8192^3 that read
+costs 4.2% against the plain GEMM, and it is the whole of what the fused epilogue costs (benchmarks/NOTES.md,
+forty-fifth session). Triton's descriptor loads are synchronous and its allocator gives C's staging a buffer
+of its own, so the residual cannot be fetched ahead there. Here shared memory and barriers are explicit:
+
+- one loader warp: A ``[128, 64]`` and B ``[64, 256]`` into a ring of ``STAGES`` slots (``ready`` / ``empty``
+  barriers, as the attention kernels' rings);
+- two consumer warpgroups (the default partition and one worker): warpgroup ``W`` owns rows ``W * 64 ...`` of
+  the 128x256 tile, m64n256 wgmma over the whole K range, then the epilogue on its 64x256 half: bias,
+  activation, ``+ beta * residual`` read from its half of ``io`` (a ``[2, 64, 256]`` buffer), the result
+  written back over the residual it read (each thread rewrites the elements it loaded, so no thread waits
+  for another), a proxy fence, and ``c_full[W]``;
+- one I/O warp: for each tile, the residual halves into ``io`` (``res_ready``), then, as each consumer
+  signals ``c_full``, C's half out of the same buffer by TMA, ``store_wait``, and at once the next tile's
+  residual half into it. The next residual is so requested at the start of the next tile's K loop and lands
+  long before its epilogue.
+
+Shared memory at 3 stages: 3 x 48 KiB of ring + 64 KiB of ``io`` = 208 KiB (C needs no buffer of its own).
+Only row-major bf16/fp16 A, B, residual and C, a bias ``[N]``, split-K 1.
+"""
+
+import torch
+
+from .._runtime import cdiv
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    # triton 3.9 renamed the TMA copies (the old names raise there); 3.6 has only the old ones
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAVE_GLUON = False
+
+if HAVE_GLUON:
+    BLOCK_M = gl.constexpr(128)
+    BLOCK_N = gl.constexpr(256)
+    BLOCK_K = gl.constexpr(64)
+    HALF_M = gl.constexpr(64)
+
+    @gluon.jit
+    def _tile_mn(tile_id, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+        """Grouped raster, as ``scheduler.tile_coords``: GROUP_M row tiles walk the columns together."""
+        tiles_in_group = GROUP_M * tiles_n
+        group_id = tile_id // tiles_in_group
+        first_m = group_id * GROUP_M
+        group_size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+        in_group = tile_id % tiles_in_group
+        return first_m + in_group % group_size_m, in_group // group_size_m
+
+    @gluon.jit
+    def _logistic_times(x, q):
+        """``x / (1 + 2^q)`` by ex2.approx and rcp.approx, as ``_kernels._logistic_times`` on a GPU."""
+        e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [q], dtype=gl.float32, is_pure=True,
+                                      pack=1)
+        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        return x * r
+
+    @gluon.jit
+    def _activation(x, ACTIVATION: gl.constexpr):
+        """The 16-bit output forms of ``_kernels.apply_activation`` (``SHORT_FORMS``), same constants."""
+        if ACTIVATION == "relu":
+            x = gl.where(x < 0.0, 0.0, x)
+        elif ACTIVATION == "gelu":
+            t = gl.minimum(x * x, 36.0)
+            p = 5.346370129345479e-09 * t - 3.9003021824463704e-07
+            p = p * t + 1.1527107182836388e-05
+            p = p * t - 0.00015997022700301174
+            p = p * t - 9.32933701122274e-05
+            p = p * t + 0.1048345688660696
+            p = p * t + 2.302209396871495
+            x = _logistic_times(x, -(x * p))
+        elif ACTIVATION == "gelu_tanh":
+            x = _logistic_times(x, -(x * (x * x * 0.1029432395800235 + 2.302208198144325)))
+        elif ACTIVATION == "silu":
+            x = _logistic_times(x, x * -1.4426950408889634)
+        return x
+
+    @gluon.jit
+    def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles_m, tiles_n, k_tiles, num_tiles,
+                GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+        """One warp: A and B of every K step of every tile of this program, in the consumers' order."""
+        step = 0
+        for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_mn(tile_id, tiles_m, tiles_n, GROUP_M)
+            for ki in range(k_tiles):
+                s = step % STAGES
+                # a fresh barrier counts its (non-existent) previous phase as complete: the first lap passes
+                mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [pid_m * BLOCK_M, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
+                _tma_load(b_desc, [ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+                step += 1
+
+    @gluon.jit
+    def _io(r_desc, c_desc, io, res_ready, c_full, tiles_m, tiles_n, num_tiles, GROUP_M: gl.constexpr,
+            HAS_RESIDUAL: gl.constexpr):
+        """One warp: each half tile's residual into ``io``, C out of it once the consumer has written it there,
+        then the next tile's residual into the freed half. ``res_ready[w]`` says that half ``w`` of ``io`` holds
+        the tile's residual, or without one, that it is free (C's last store from it has drained)."""
+        t = 0
+        first = gl.program_id(0)
+        if first < num_tiles:
+            pid_m, pid_n = _tile_mn(first, tiles_m, tiles_n, GROUP_M)
+            for w in gl.static_range(2):
+                _fill(r_desc, io, res_ready, w, pid_m, pid_n, HAS_RESIDUAL)
+        for tile_id in range(first, num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_mn(tile_id, tiles_m, tiles_n, GROUP_M)
+            next_id = tile_id + gl.num_programs(0)
+            next_m, next_n = _tile_mn(next_id, tiles_m, tiles_n, GROUP_M)
+            for w in gl.static_range(2):
+                mbarrier.wait(c_full.index(w), t & 1)
+                _tma_store(c_desc, [pid_m * BLOCK_M + w * HALF_M, pid_n * BLOCK_N], io.index(w))
+                tma.store_wait(0)
+                if next_id < num_tiles:
+                    _fill(r_desc, io, res_ready, w, next_m, next_n, HAS_RESIDUAL)
+            t += 1
+
+    @gluon.jit
+    def _fill(r_desc, io, res_ready, w: gl.constexpr, pid_m, pid_n, HAS_RESIDUAL: gl.constexpr):
+        """Half ``w`` of ``io`` for tile ``(pid_m, pid_n)``: its residual rows by TMA, or, without a residual,
+        only the signal that the half is free."""
+        if HAS_RESIDUAL:
+            mbarrier.expect(res_ready.index(w), r_desc.block_type.nbytes)
+            _tma_load(r_desc, [pid_m * BLOCK_M + w * HALF_M, pid_n * BLOCK_N], res_ready.index(w), io.index(w))
+        else:
+            mbarrier.arrive(res_ready.index(w))
+
+    @gluon.jit
+    def _consumer(W: gl.constexpr, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta,
+                  tiles_m, tiles_n, k_tiles, num_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr):
+        """One warpgroup: rows ``W * 64 ...`` of every tile of this program; the epilogue in two column halves
+        (fewer live registers), each read from and written back to its place in ``io``."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, BLOCK_N // 2, 16])
+        col_layout: gl.constexpr = gl.SliceLayout(0, half_layout)
+        step = 0
+        t = 0
+        for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            _, pid_n = _tile_mn(tile_id, tiles_m, tiles_n, GROUP_M)
+            acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
+            prev = 0
+            for ki in range(k_tiles):
+                s = step % STAGES
+                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+                tok = warpgroup_mma(a_bufs.index(s).slice(W * HALF_M, HALF_M, dim=0), b_bufs.index(s), acc,
+                                    is_async=True)
+                # the previous step's product is done once one group is left in flight: its slot is free
+                acc = warpgroup_mma_wait(1, deps=(tok,))
+                if ki > 0:
+                    mbarrier.arrive(empty.index(prev))
+                prev = s
+                step += 1
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev))
+
+            # this tile's residual is in (without one: the last C store from this half has drained)
+            mbarrier.wait(res_ready.index(W), t & 1)
+            halves = acc.reshape([HALF_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
+            for h in gl.static_range(2):
+                out = gl.convert_layout(halves[h], half_layout)
+                if HAS_BIAS:
+                    cols = pid_n * BLOCK_N + h * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=col_layout)
+                    bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
+                    out = out + gl.expand_dims(bias.to(gl.float32), 0)
+                out = _activation(out, ACTIVATION)
+                part = io.index(W).slice(h * (BLOCK_N // 2), BLOCK_N // 2, dim=1)
+                if HAS_RESIDUAL:
+                    out = out + beta * part.load(half_layout).to(gl.float32)
+                part.store(out.to(io.dtype))
+            fence_async_shared()
+            mbarrier.arrive(c_full.index(W))
+            t += 1
+
+    @gluon.jit
+    def fused_gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, beta,
+                          GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          WORKER_REGS: gl.constexpr):
+        """``C = act(A @ B + bias) + beta * residual``, persistent over 128x256 tiles (module docstring)."""
+        dtype: gl.constexpr = a_desc.dtype
+        tiles_m = gl.cdiv(M, BLOCK_M)
+        tiles_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        num_tiles = tiles_m * tiles_n
+
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+        io = gl.allocate_shared_memory(dtype, [2, HALF_M, BLOCK_N], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        res_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        c_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)   # both consumer warpgroups release a slot
+        for w in gl.static_range(2):
+            mbarrier.init(res_ready.index(w), count=1)
+            mbarrier.init(c_full.index(w), count=1)
+        fence_async_shared()
+
+        gl.warp_specialize([
+            (_consumer, (0, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m,
+                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)),
+            (_consumer, (1, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m,
+                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)),
+            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles_m, tiles_n, k_tiles, num_tiles, GROUP_M,
+                       STAGES)),
+            (_io, (r_desc, c_desc, io, res_ready, c_full, tiles_m, tiles_n, num_tiles, GROUP_M, HAS_RESIDUAL)),
+        ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
+
+
+def _descriptor(t: torch.Tensor, block_shape):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), elem)
+    return GluonDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
+
+
+def fused_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
+               residual: torch.Tensor | None = None, beta: float = 1.0, *, num_sms: int | None = None,
+               stages: int = 3, group_m: int = 8, consumer_regs: int = 232, worker_regs: int = 40,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(a @ b + bias) + beta * residual`` for row-major bf16/fp16 ``a [M, K]``, ``b [K, N]`` (WIP, see the
+    module docstring; no argument checks beyond these asserts)."""
+    assert HAVE_GLUON and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
+    assert a.stride(1) == 1 and b.stride(1) == 1 and a.shape[1] == b.shape[0] >= 1
+    M, K = a.shape
+    N = b.shape[1]
+    c = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
+    tiles = cdiv(M, BLOCK_M.value) * cdiv(N, BLOCK_N.value)
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    grid = (max(1, min(tiles, num_sms)),)
+    res = residual if residual is not None else c
+    fused_gemm_kernel[grid](
+        _descriptor(a, [BLOCK_M.value, BLOCK_K.value]), _descriptor(b, [BLOCK_K.value, BLOCK_N.value]),
+        _descriptor(c, [HALF_M.value, BLOCK_N.value]), _descriptor(res, [HALF_M.value, BLOCK_N.value]), bias if bias is not None else c, M, N, K, float(beta),
+        GROUP_M=group_m, STAGES=stages, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
+        HAS_RESIDUAL=residual is not None, CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, num_warps=4)
+    return c
+
+
+__all__ = ["HAVE_GLUON", "fused_gemm"]

@@ -8,3 +8,4 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 timeout "${TEST_S:-240}" python3 -m pytest -q -x -m gpu tests/gemm/test_gluon_fused.py 2>&1 | tail -40 | tee "$OUT/wip-tests.log"
 timeout "${PROBE_S:-240}" python3 scripts/probe_gluon_fused.py 2>&1 | grep -v -i warn | tee "$OUT/wip-probe.log"
+timeout "${PLAIN_S:-200}" python3 scripts/probe_gluon_plain.py 2>&1 | grep -v -i warn | tee "$OUT/wip-plain.log"

@@ -20,18 +20,20 @@ import sys, torch
 import tilekernels as tk
 from tilekernels.gemm._gluon import fused_gemm
 from tilekernels.testing import assert_close, poisoned, reference_gemm
-M, N, K, dtype, bias_on, activation, res_on = sys.argv[1:]
+M, N, K, dtype, bias_on, activation, res_on, b_col, defer = sys.argv[1:]
 M, N, K = int(M), int(N), int(K)
 dtype = getattr(torch, dtype)
 activation = None if activation == "none" else activation
 torch.manual_seed(0)
 a = (torch.randn(M, K, device="cuda") * K ** -0.5).to(dtype)
 b = torch.randn(K, N, device="cuda").to(dtype)
+if b_col == "1":
+    b = b.t().contiguous().t()
 bias = torch.randn(N, device="cuda").to(dtype) if bias_on == "1" else None
 res = torch.randn(M, N, device="cuda").to(dtype) if res_on == "1" else None
 out = poisoned((M, N), dtype, torch.device("cuda"))
 for _ in range(3):   # persistent programs and barrier phases over repeated calls
-    fused_gemm(a, b, bias, activation, res, 0.5, out=out)
+    fused_gemm(a, b, bias, activation, res, 0.5, out=out, defer=defer == "1")
 torch.cuda.synchronize()
 kw = dict(bias=bias, activation=activation, residual=res, beta=0.5 if res is not None else 1.0)
 ref = reference_gemm(a, b, **kw)
@@ -53,7 +55,10 @@ def _run(*args) -> str:
 
 CASES = [((4100, 4104, 1000), "bias-gelu-res"), ((8192, 8192, 8192), "bias-gelu-res"), ((128, 256, 64), "bias-gelu-res"),
          ((300, 520, 72), "bias-gelu-res"), ((17, 40, 8), "bias-gelu-res"), ((4100, 4104, 1000), "none"),
-         ((4100, 4104, 1000), "res"), ((300, 520, 72), "bias-silu"), ((300, 520, 72), "none")]
+         ((4100, 4104, 1000), "res"), ((300, 520, 72), "bias-silu"), ((300, 520, 72), "none"),
+         ((4100, 4104, 150), "bias-gelu-res"), ((4100, 4104, 1000), "bias-gelu-res-bcol"),
+         ((300, 520, 72), "bias-gelu-res-bcol"), ((4100, 4104, 1000), "none-bcol"),
+         ((4100, 4104, 1000), "bias-gelu-res-nodefer"), ((300, 520, 72), "bias-gelu-res-nodefer")]
 
 
 @gpu
@@ -64,4 +69,6 @@ def test_gpu_gluon_fused(shape, epilogue):
     bias_on = "1" if "bias" in epilogue else "0"
     res_on = "1" if "res" in epilogue else "0"
     activation = next((x for x in ("gelu", "silu") if x in epilogue), "none")
-    print(_run(*shape, "bfloat16", bias_on, activation, res_on))
+    b_col = "1" if "bcol" in epilogue else "0"
+    defer = "0" if "nodefer" in epilogue else "1"
+    print(_run(*shape, "bfloat16", bias_on, activation, res_on, b_col, defer))

@@ -93,7 +93,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles_m, tiles_n, k_tiles, num_tiles,
-                GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
         """One warp: A and B of every K step of every tile of this program, in the consumers' order."""
         step = 0
         for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -104,7 +104,10 @@ if HAVE_GLUON:
                 mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
                 _tma_load(a_desc, [pid_m * BLOCK_M, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
-                _tma_load(b_desc, [ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+                if B_TRANS:
+                    _tma_load(b_desc, [pid_n * BLOCK_N, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+                else:
+                    _tma_load(b_desc, [ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
                 step += 1
 
     @gluon.jit
@@ -142,59 +145,145 @@ if HAVE_GLUON:
             mbarrier.arrive(res_ready.index(w))
 
     @gluon.jit
+    def _b_operand(b_bufs, s, B_TRANS: gl.constexpr):
+        """Stage ``s`` of B as the ``[BLOCK_K, BLOCK_N]`` operand of wgmma (a transposed view of a K-major tile)."""
+        if B_TRANS:
+            return b_bufs.index(s).permute((1, 0))
+        else:
+            return b_bufs.index(s)
+
+    @gluon.jit
+    def _k_step(W: gl.constexpr, a_bufs, b_bufs, ready, empty, acc, step, prev, release, STAGES: gl.constexpr,
+                B_TRANS: gl.constexpr):
+        """One K step of warpgroup ``W``: wait for the stage, issue the wgmma, retire the previous one and, if
+        ``release``, free its stage. Returns (acc, step + 1, this step's stage)."""
+        s = step % STAGES
+        mbarrier.wait(ready.index(s), (step // STAGES) & 1)
+        tok = warpgroup_mma(a_bufs.index(s).slice(W * HALF_M, HALF_M, dim=0), _b_operand(b_bufs, s, B_TRANS), acc,
+                            is_async=True)
+        # the previous step's product is done once one group is left in flight: its slot is free
+        acc = warpgroup_mma_wait(1, deps=(tok,))
+        if release:
+            mbarrier.arrive(empty.index(prev))
+        return acc, step + 1, s
+
+    @gluon.jit
+    def _epilogue_part(vals, part, col0, bias_ptr, N, beta, layout: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr):
+        """bias, activation and ``+ beta * residual`` on the fp32 columns ``col0 ...`` of a half tile; the
+        residual is read from ``part`` (its place in ``io``) and the result written back there."""
+        out = gl.convert_layout(vals, layout)
+        if HAS_BIAS:
+            cols = col0 + gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, layout))
+            bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
+            out = out + gl.expand_dims(bias.to(gl.float32), 0)
+        out = _activation(out, ACTIVATION)
+        if HAS_RESIDUAL:
+            out = out + beta * part.load(layout).to(gl.float32)
+        part.store(out.to(part.dtype))
+
+    @gluon.jit
+    def _split_cols(x):
+        """``x [R, C]`` as its column halves ``(x[:, :C/2], x[:, C/2:])``."""
+        return x.reshape([x.shape[0], 2, x.shape[1] // 2]).permute(0, 2, 1).split()
+
+    @gluon.jit
     def _consumer(W: gl.constexpr, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta,
                   tiles_m, tiles_n, k_tiles, num_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr):
-        """One warpgroup: rows ``W * 64 ...`` of every tile of this program; the epilogue in two column halves
-        (fewer live registers), each read from and written back to its place in ``io``."""
+                  B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
+                  HAS_RESIDUAL: gl.constexpr, DEFER: gl.constexpr):
+        """One warpgroup: rows ``W * 64 ...`` of every tile of this program. The epilogue of the left column
+        half runs after the tile's K loop; with ``DEFER`` the right half's stays in registers and runs in four
+        column chunks between the next tile's first four K steps (under their wgmma), else at once."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, BLOCK_N // 2, 16])
-        col_layout: gl.constexpr = gl.SliceLayout(0, half_layout)
+        chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                               instr_shape=[16, BLOCK_N // 8, 16])
+        HALF_N: gl.constexpr = BLOCK_N // 2
+        CHUNK_N: gl.constexpr = BLOCK_N // 8
         step = 0
         t = 0
+        p0 = gl.zeros([HALF_M, CHUNK_N], gl.float32, chunk_layout)
+        p1 = p0
+        p2 = p0
+        p3 = p0
+        pend_col = 0
         for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             _, pid_n = _tile_mn(tile_id, tiles_m, tiles_n, GROUP_M)
             acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
             prev = 0
-            for ki in range(k_tiles):
-                s = step % STAGES
-                mbarrier.wait(ready.index(s), (step // STAGES) & 1)
-                tok = warpgroup_mma(a_bufs.index(s).slice(W * HALF_M, HALF_M, dim=0), b_bufs.index(s), acc,
-                                    is_async=True)
-                # the previous step's product is done once one group is left in flight: its slot is free
-                acc = warpgroup_mma_wait(1, deps=(tok,))
-                if ki > 0:
-                    mbarrier.arrive(empty.index(prev))
-                prev = s
-                step += 1
+            if DEFER:
+                for j in gl.static_range(4):
+                    if j < k_tiles:
+                        acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, j > 0, STAGES,
+                                                  B_TRANS)
+                    if t > 0:
+                        if j == 0:
+                            pj = p0
+                        elif j == 1:
+                            pj = p1
+                        elif j == 2:
+                            pj = p2
+                        else:
+                            pj = p3
+                        _epilogue_part(pj, io.index(W).slice(HALF_N + j * CHUNK_N, CHUNK_N, dim=1),
+                                       pend_col + j * CHUNK_N, bias_ptr, N, beta, chunk_layout, HAS_BIAS,
+                                       ACTIVATION, HAS_RESIDUAL)
+                if t > 0:
+                    fence_async_shared()
+                    mbarrier.arrive(c_full.index(W))
+                for ki in range(4, k_tiles):
+                    acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, True, STAGES,
+                                              B_TRANS)
+            else:
+                for ki in range(k_tiles):
+                    acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, ki > 0, STAGES,
+                                              B_TRANS)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(prev))
 
             # this tile's residual is in (without one: the last C store from this half has drained)
             mbarrier.wait(res_ready.index(W), t & 1)
-            halves = acc.reshape([HALF_M, 2, BLOCK_N // 2]).permute(0, 2, 1).split()
-            for h in gl.static_range(2):
-                out = gl.convert_layout(halves[h], half_layout)
-                if HAS_BIAS:
-                    cols = pid_n * BLOCK_N + h * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=col_layout)
-                    bias = gl.load(bias_ptr + cols, mask=cols < N, other=0.0)
-                    out = out + gl.expand_dims(bias.to(gl.float32), 0)
-                out = _activation(out, ACTIVATION)
-                part = io.index(W).slice(h * (BLOCK_N // 2), BLOCK_N // 2, dim=1)
-                if HAS_RESIDUAL:
-                    out = out + beta * part.load(half_layout).to(gl.float32)
-                part.store(out.to(io.dtype))
-            fence_async_shared()
-            mbarrier.arrive(c_full.index(W))
+            left, right = _split_cols(acc)
+            col = pid_n * BLOCK_N
+            _epilogue_part(left, io.index(W).slice(0, HALF_N, dim=1), col, bias_ptr, N, beta, half_layout,
+                           HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
+            if DEFER:
+                q0, q1 = _split_cols(right)
+                c0, c1 = _split_cols(q0)
+                c2, c3 = _split_cols(q1)
+                p0 = gl.convert_layout(c0, chunk_layout)
+                p1 = gl.convert_layout(c1, chunk_layout)
+                p2 = gl.convert_layout(c2, chunk_layout)
+                p3 = gl.convert_layout(c3, chunk_layout)
+                pend_col = col + HALF_N
+            else:
+                _epilogue_part(right, io.index(W).slice(HALF_N, HALF_N, dim=1), col + HALF_N, bias_ptr, N, beta,
+                               half_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
+                fence_async_shared()
+                mbarrier.arrive(c_full.index(W))
             t += 1
+        if DEFER:
+            if t > 0:
+                part = io.index(W)
+                _epilogue_part(p0, part.slice(HALF_N, CHUNK_N, dim=1), pend_col, bias_ptr, N, beta, chunk_layout,
+                               HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
+                _epilogue_part(p1, part.slice(HALF_N + CHUNK_N, CHUNK_N, dim=1), pend_col + CHUNK_N, bias_ptr, N,
+                               beta, chunk_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
+                _epilogue_part(p2, part.slice(HALF_N + 2 * CHUNK_N, CHUNK_N, dim=1), pend_col + 2 * CHUNK_N,
+                               bias_ptr, N, beta, chunk_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
+                _epilogue_part(p3, part.slice(HALF_N + 3 * CHUNK_N, CHUNK_N, dim=1), pend_col + 3 * CHUNK_N,
+                               bias_ptr, N, beta, chunk_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
+                fence_async_shared()
+                mbarrier.arrive(c_full.index(W))
 
     @gluon.jit
     def fused_gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, beta,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
-                          ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          WORKER_REGS: gl.constexpr):
+                          ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr, B_TRANS: gl.constexpr,
+                          DEFER: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
         """``C = act(A @ B + bias) + beta * residual``, persistent over 128x256 tiles (module docstring)."""
         dtype: gl.constexpr = a_desc.dtype
         tiles_m = gl.cdiv(M, BLOCK_M)
@@ -203,7 +292,10 @@ if HAVE_GLUON:
         num_tiles = tiles_m * tiles_n
 
         a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+        if B_TRANS:
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+        else:
+            b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
         io = gl.allocate_shared_memory(dtype, [2, HALF_M, BLOCK_N], c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -219,11 +311,13 @@ if HAVE_GLUON:
 
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m,
-                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)),
+                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
+                         DEFER)),
             (_consumer, (1, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m,
-                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)),
+                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
+                         DEFER)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles_m, tiles_n, k_tiles, num_tiles, GROUP_M,
-                       STAGES)),
+                       STAGES, B_TRANS)),
             (_io, (r_desc, c_desc, io, res_ready, c_full, tiles_m, tiles_n, num_tiles, GROUP_M, HAS_RESIDUAL)),
         ], [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
 
@@ -235,28 +329,50 @@ def _descriptor(t: torch.Tensor, block_shape):
     return GluonDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
 
 
-def fused_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
-               residual: torch.Tensor | None = None, beta: float = 1.0, *, num_sms: int | None = None,
-               stages: int = 3, group_m: int = 8, consumer_regs: int = 232, worker_regs: int = 40,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """``act(a @ b + bias) + beta * residual`` for row-major bf16/fp16 ``a [M, K]``, ``b [K, N]`` (WIP, see the
-    module docstring; no argument checks beyond these asserts)."""
+def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs, worker_regs, out,
+            defer):
+    """(kernel, grid, arguments, constexprs and options) of one launch."""
     assert HAVE_GLUON and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
-    assert a.stride(1) == 1 and b.stride(1) == 1 and a.shape[1] == b.shape[0] >= 1
+    assert a.stride(1) == 1 and (b.stride(1) == 1 or b.stride(0) == 1) and a.shape[1] == b.shape[0] >= 1
     M, K = a.shape
     N = b.shape[1]
+    b_trans = b.stride(1) != 1 or (b.stride(0) == 1 and N > 1 and b.stride(1) >= K)
     c = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
     tiles = cdiv(M, BLOCK_M.value) * cdiv(N, BLOCK_N.value)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     grid = (max(1, min(tiles, num_sms)),)
     res = residual if residual is not None else c
-    fused_gemm_kernel[grid](
-        _descriptor(a, [BLOCK_M.value, BLOCK_K.value]), _descriptor(b, [BLOCK_K.value, BLOCK_N.value]),
-        _descriptor(c, [HALF_M.value, BLOCK_N.value]), _descriptor(res, [HALF_M.value, BLOCK_N.value]), bias if bias is not None else c, M, N, K, float(beta),
-        GROUP_M=group_m, STAGES=stages, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
-        HAS_RESIDUAL=residual is not None, CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, num_warps=4)
+    heavy = bias is not None or activation is not None or residual is not None
+    b_desc = (_descriptor(b.t(), [BLOCK_N.value, BLOCK_K.value]) if b_trans
+              else _descriptor(b, [BLOCK_K.value, BLOCK_N.value]))
+    args = (_descriptor(a, [BLOCK_M.value, BLOCK_K.value]), b_desc, _descriptor(c, [HALF_M.value, BLOCK_N.value]),
+            _descriptor(res, [HALF_M.value, BLOCK_N.value]), bias if bias is not None else c, M, N, K, float(beta))
+    kwargs = dict(GROUP_M=group_m, STAGES=stages, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
+                  HAS_RESIDUAL=residual is not None, B_TRANS=b_trans, DEFER=bool(defer and heavy),
+                  CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, num_warps=4)
+    return c, grid, args, kwargs
+
+
+def fused_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
+               residual: torch.Tensor | None = None, beta: float = 1.0, *, num_sms: int | None = None,
+               stages: int = 3, group_m: int = 8, consumer_regs: int = 232, worker_regs: int = 40,
+               out: torch.Tensor | None = None, defer: bool = True) -> torch.Tensor:
+    """``act(a @ b + bias) + beta * residual`` for row-major bf16/fp16 ``a [M, K]`` and ``b [K, N]`` row- or
+    column-major (WIP, see the module docstring; no argument checks beyond these asserts)."""
+    c, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs,
+                                    worker_regs, out, defer)
+    fused_gemm_kernel[grid](*args, **kwargs)
     return c
+
+
+def compile_only(a, b, bias=None, activation=None, residual=None, beta=1.0, *, stages=3, group_m=8,
+                 consumer_regs=232, worker_regs=40, defer=True):
+    """The compiled kernel for these arguments on the active triton target, not launched (an offline sm_90
+    build, ``scripts/compile_sm90.py``'s fake driver)."""
+    _, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, 132, stages, group_m, consumer_regs,
+                                    worker_regs, None, defer)
+    return fused_gemm_kernel.warmup(*args, grid=grid, **kwargs)
 
 
 __all__ = ["HAVE_GLUON", "fused_gemm"]

@@ -29,12 +29,13 @@ def test_idle_hook():
 
 
 @gpu
-def test_gpu_raw_launch_matches_triton_launcher(device):
+def test_gpu_raw_launch_matches_triton_launcher(device, monkeypatch):
     """A GEMM with C and the residual through TMA descriptors, over fresh allocations (more than the descriptor
     cache keeps, so it is cleared and refilled) and one input set reused at the same addresses: every output of
     the raw path must equal, bit for bit, the output of triton's launcher on the same inputs, which a
     registered launch hook forces (the hook must fire on each of those calls)."""
     gemm_module = importlib.import_module("tilekernels.gemm.gemm")
+    monkeypatch.setenv("TILEKERNELS_GEMM_GLUON", "0")   # gemm_kernel's launch (the Gluon one: test_gemm_gluon.py)
     M, N, K = 300, 512, 256
     gen = torch.Generator().manual_seed(0)
 

@@ -329,6 +329,81 @@ def _descriptor(t: torch.Tensor, block_shape):
     return GluonDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
 
 
+# The right column half's epilogue under the next tile's first K steps (``_consumer``); a module switch so that
+# a probe can time both in one process (``clear_plans`` after changing it).
+DEFER_EPILOGUE = True
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether a 16-bit ``[R, C]`` tensor is row-major as a TMA descriptor needs it: unit column stride, rows
+    16 bytes apart, 16-byte aligned."""
+    return t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+def applies(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b) -> bool:
+    """Whether this kernel computes ``tk.gemm``'s call (its caller has settled the launch: the large tile, split-K 1,
+    no async input): Hopper, 16-bit A row-major, B row- or column-major, C and the residual row-major of the
+    inputs' dtype, a bias ``[N]`` at most, no ``mul``, scales or alpha."""
+    if not (HAVE_GLUON and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and c.dtype == a.dtype
+            and not mul and scale_a is None and scale_b is None and alpha == 1.0):
+        return False
+    if not (_tma_rows(a) and _tma_rows(c)):
+        return False
+    if not (_tma_rows(b) or (b.stride(0) == 1 and b.stride(1) % 8 == 0 and b.data_ptr() % 16 == 0)):
+        return False
+    N = b.shape[1]
+    if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
+        return False
+    if residual is not None and not (residual.shape == c.shape and residual.dtype == c.dtype and _tma_rows(residual)):
+        return False
+    return activation in (None, "relu", "gelu", "gelu_tanh", "silu")
+
+
+class GluonPlan:
+    """One launch of ``fused_gemm_kernel`` for one ``tk.gemm`` call signature: the ``CachedLaunch``, descriptor
+    templates of A, B, C and the residual (C's when there is none), the rows it computes (a row tail computes
+    the others) and whether B is read transposed."""
+
+    __slots__ = ("launch", "descs", "rows", "b_trans", "ints")
+
+
+def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int) -> GluonPlan:
+    """The plan for rows ``[0, rows)`` of ``c = act(a @ b + bias) + beta * residual`` (``applies`` holds)."""
+    from .._runtime import CachedLaunch, as_template
+
+    K, N = a.shape[1], b.shape[1]
+    plan = GluonPlan()
+    plan.rows = rows
+    plan.b_trans = not (b.stride(1) == 1 and b.stride(0) % 8 == 0)
+    a_rows, c_rows = a[:rows], c[:rows]
+    res = residual[:rows] if residual is not None else c_rows
+    b_desc = (_descriptor(b.t(), [BLOCK_N.value, BLOCK_K.value]) if plan.b_trans
+              else _descriptor(b, [BLOCK_K.value, BLOCK_N.value]))
+    plan.descs = tuple(as_template(d) for d in (
+        _descriptor(a_rows, [BLOCK_M.value, BLOCK_K.value]), b_desc, _descriptor(c_rows, [HALF_M.value, BLOCK_N.value]),
+        _descriptor(res, [HALF_M.value, BLOCK_N.value])))
+    plan.ints = (rows, N, K)
+    tiles = cdiv(rows, BLOCK_M.value) * cdiv(N, BLOCK_N.value)
+    heavy = bias is not None or activation is not None or residual is not None
+    plan.launch = CachedLaunch(fused_gemm_kernel, max(1, min(tiles, num_sms)), dict(
+        GROUP_M=8, STAGES=3, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
+        HAS_RESIDUAL=residual is not None, B_TRANS=plan.b_trans, DEFER=DEFER_EPILOGUE and heavy,
+        CONSUMER_REGS=232, WORKER_REGS=40), num_warps=4)
+    return plan
+
+
+def launch_args(plan: GluonPlan, a, b, c, bias, residual, beta: float) -> tuple:
+    """The runtime arguments of ``plan.launch`` for one call."""
+    from .._runtime import rebase
+
+    rows = plan.rows
+    c_rows = c[:rows]
+    a_desc, b_desc, c_desc, r_desc = plan.descs
+    return (rebase(a_desc, a[:rows]), rebase(b_desc, b.t() if plan.b_trans else b), rebase(c_desc, c_rows),
+            rebase(r_desc, residual[:rows] if residual is not None else c_rows), bias if bias is not None else c,
+            *plan.ints, beta)
+
+
 def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs, worker_regs, out,
             defer):
     """(kernel, grid, arguments, constexprs and options) of one launch."""
@@ -375,4 +450,4 @@ def compile_only(a, b, bias=None, activation=None, residual=None, beta=1.0, *, s
     return fused_gemm_kernel.warmup(*args, grid=grid, **kwargs)
 
 
-__all__ = ["HAVE_GLUON", "fused_gemm"]
+__all__ = ["HAVE_GLUON", "applies", "fused_gemm", "launch_args", "make_plan"]

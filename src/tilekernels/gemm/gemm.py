@@ -10,15 +10,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 from typing import Optional, Sequence
 
 import torch
 
-from .._runtime import (CachedLaunch, cache_put, cdiv, check_errors, check_no_self_overlap, check_out_memory,
+from .._runtime import (CachedLaunch, cache_put, capability, cdiv, check_errors, check_no_self_overlap, check_out_memory,
                         check_runnable, descriptor_template, ensure_cuda_context, error_table, fp32_precision,
                         is_interpreter, on_current_device, plain_eager, rebase, sm_count, supports_tensor_descriptors,
                         tensor_key)
-from . import _kernels
+from . import _gluon, _kernels
 from .configs import GemmConfig, RowTail, active_override, auto_split_k, select_config, select_plan
 from .scheduler import AsyncInputScheduler
 
@@ -231,7 +232,7 @@ class _Plan:
 
     __slots__ = ("cfg", "split_k", "use_tma", "a_trans", "b_trans", "a_desc", "b_desc", "c_desc", "res_desc",
                  "num_programs", "ints", "epilogue_strides", "async_ints", "epilogue_flags", "acc_int", "kernel",
-                 "local_desc", "local_ints", "tail", "tail_span", "reduce")
+                 "local_desc", "local_ints", "tail", "tail_span", "reduce", "gluon")
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -265,6 +266,21 @@ def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
             fp32_precision() if a.dtype == torch.float32 else None)
 
 
+# Hopper launches of the large tile go to the Gluon kernel (``_gluon``) where it computes the call: its main loop
+# ran 0.7-2.5% faster than gemm_kernel's on the large anchor shapes (H100, bf16, CUDA graphs, 2026-12-07; RR
+# 8192^3 696 against 679 TFLOP/s, cuBLAS 669; benchmarks/NOTES.md). TILEKERNELS_GEMM_GLUON=0 keeps every launch
+# on gemm_kernel (read when a plan is made).
+def _gluon_takes(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input, trace,
+                 cfg) -> bool:
+    """Whether the Gluon kernel takes this launch: Hopper, no async input, trace, split-K or config override, the
+    large 128x256x64 tile chosen, and operands it reads (``_gluon.applies``)."""
+    if (async_input is not None or trace is not None or split_k != 1 or active_override() is not None
+            or (cfg.block_m, cfg.block_n, cfg.block_k) != (128, 256, 64) or not a.is_cuda or is_interpreter()
+            or os.environ.get("TILEKERNELS_GEMM_GLUON", "1") == "0" or capability(a.device) != (9, 0)):
+        return False
+    return _gluon.applies(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b)
+
+
 def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
                trace=None, cfg=None, wait_row0=0) -> _Plan:
     """``cfg``: the config to take as it is (a row tail's launch, ``_tail_call``); None picks one, and may split
@@ -273,6 +289,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     M, K = a.shape
     N = b.shape[1]
     heavy_epilogue = bias is not None or residual is not None or bool(mul) or activation is not None
+    chosen = cfg is None   # the launch is ours to plan (not a row tail's given config)
     tail = None
     if cfg is None and async_input is None and trace is None and split_k in (1, _AUTO_SPLIT):
         cfg, tail = select_plan(M, N, K, a.dtype, a.device, heavy_epilogue)
@@ -298,6 +315,14 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
 
     plan = _Plan()
     plan.cfg, plan.split_k, plan.tail, plan.tail_span = cfg, split_k, tail, span
+    plan.gluon = None
+    if chosen and _gluon_takes(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
+                               trace, cfg):
+        # the Gluon kernel takes the rows of the large tile (all of them, or the main launch's before a row tail)
+        plan.gluon = _gluon.make_plan(a, b, c, bias, residual, activation, span[0] if tail is not None else M,
+                                      sm_count(a.device))
+        plan.kernel, plan.reduce, plan.use_tma = plan.gluon.launch, None, False
+        return plan
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
     # both operands must be 16-byte aligned with one unit stride.
     use_tma = cfg.use_tma and (supports_tensor_descriptors(a.device) or is_interpreter())
@@ -510,6 +535,9 @@ def _call(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_
     if plan is None:
         plan = cache_put(_PLANS, key, _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
                                                  split_k, async_input, trace, cfg, wait_row0), _MAX_PLANS)
+    if plan.gluon is not None:
+        ensure_cuda_context(a.device.index)
+        return plan, _gluon.launch_args(plan.gluon, a, b, c, bias, residual, beta), None
 
     if plan.use_tma:
         if a.is_cuda:

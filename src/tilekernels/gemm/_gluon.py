@@ -345,7 +345,7 @@ def applies(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b) -
     no async input): Hopper, 16-bit A row-major, B row- or column-major, C and the residual row-major of the
     inputs' dtype, a bias ``[N]`` at most, no ``mul``, scales or alpha."""
     if not (HAVE_GLUON and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and c.dtype == a.dtype
-            and not mul and scale_a is None and scale_b is None and alpha == 1.0):
+            and not mul and scale_a is None and scale_b is None and alpha == 1.0 and a.shape[1] >= 1):
         return False
     if not (_tma_rows(a) and _tma_rows(c)):
         return False

@@ -15,7 +15,7 @@ step() { local s=$1; shift; echo "=== $* ($(date -u +%T))"; timeout "$s" "$@" 2>
 # first the two failures of 2026-12-07 (benchmarks/NOTES.md, forty-sixth session), then the rest; -x so that a
 # failure's message is printed before a time limit can cut the step
 step "${DIAG_S:-90}" python3 scripts/diag_gluon_gemm.py
-step "${TEST_S:-80}" python3 -m pytest -q -x --tb=short -m gpu tests/gemm/test_gluon_fused.py -k "${TEST_K:-4100x4104x150 or 17x40 or 300x520x72-bias-gelu-res or nodefer}"
+step "${TEST_S:-80}" python3 -m pytest -q -x --tb=short -m gpu tests/gemm/test_gluon_fused.py -k "${TEST_K:-4100x4104x150 or 4100x4104x300 or 17x40 or 300x520x72-bias-gelu-res or nodefer}"
 step "${PROBE_S:-90}" python3 scripts/probe_gluon_fused.py
 step "${DISPATCH_S:-120}" python3 -m pytest -q -m gpu -s tests/gemm/test_gemm_gluon.py tests/test_runtime.py \
     tests/gemm/test_gemm.py -k "gluon or raw_launch or medium_heavy or large_tile_heavy or row_tail or cuda_graph or test_gpu_large"

@@ -56,7 +56,7 @@ def _run(*args) -> str:
 CASES = [((4100, 4104, 1000), "bias-gelu-res"), ((8192, 8192, 8192), "bias-gelu-res"), ((128, 256, 64), "bias-gelu-res"),
          ((300, 520, 72), "bias-gelu-res"), ((17, 40, 8), "bias-gelu-res"), ((4100, 4104, 1000), "none"),
          ((4100, 4104, 1000), "res"), ((300, 520, 72), "bias-silu"), ((300, 520, 72), "none"),
-         ((4100, 4104, 150), "bias-gelu-res"), ((4100, 4104, 1000), "bias-gelu-res-bcol"),
+         ((4100, 4104, 150), "bias-gelu-res"), ((4100, 4104, 300), "bias-gelu-res"), ((4100, 4104, 1000), "bias-gelu-res-bcol"),
          ((300, 520, 72), "bias-gelu-res-bcol"), ((4100, 4104, 1000), "none-bcol"),
          ((4100, 4104, 1000), "bias-gelu-res-nodefer"), ((300, 520, 72), "bias-gelu-res-nodefer")]
 

@@ -215,10 +215,10 @@ if HAVE_GLUON:
             acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
             prev = 0
             if DEFER:
+                # DEFER only where every tile has four K steps or more (the host's choice): an in-flight wgmma's
+                # accumulator must not pass through a branch that skips a step
                 for j in gl.static_range(4):
-                    if j < k_tiles:
-                        acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, j > 0, STAGES,
-                                                  B_TRANS)
+                    acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, j > 0, STAGES, B_TRANS)
                     if t > 0:
                         if j == 0:
                             pj = p0
@@ -331,7 +331,9 @@ def _descriptor(t: torch.Tensor, block_shape):
 
 # The right column half's epilogue under the next tile's first K steps (``_consumer``). Off: level with the epilogue
 # at once (H100, 2026-12-07: 8192^3 fused 655-662 against 653-661 TFLOP/s), and its GPU test at 4100x4104x150 (three
-# K steps a tile, many tiles a program) failed for a reason not yet read (benchmarks/NOTES.md).
+# K steps a tile, many tiles a program) failed for a reason not yet read (benchmarks/NOTES.md). The suspect: with
+# fewer than four K steps the in-flight accumulator passed through the branch that skipped the fourth, which the
+# kernel no longer has (DEFER only where K >= 4 * BLOCK_K); not yet run.
 DEFER_EPILOGUE = False
 
 
@@ -388,7 +390,8 @@ def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int) -> G
     heavy = bias is not None or activation is not None or residual is not None
     plan.launch = CachedLaunch(fused_gemm_kernel, max(1, min(tiles, num_sms)), dict(
         GROUP_M=8, STAGES=3, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
-        HAS_RESIDUAL=residual is not None, B_TRANS=plan.b_trans, DEFER=DEFER_EPILOGUE and heavy,
+        HAS_RESIDUAL=residual is not None, B_TRANS=plan.b_trans,
+        DEFER=DEFER_EPILOGUE and heavy and K >= 4 * BLOCK_K.value,
         CONSUMER_REGS=232, WORKER_REGS=40), num_warps=4)
     return plan
 
@@ -425,7 +428,8 @@ def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, co
     args = (_descriptor(a, [BLOCK_M.value, BLOCK_K.value]), b_desc, _descriptor(c, [HALF_M.value, BLOCK_N.value]),
             _descriptor(res, [HALF_M.value, BLOCK_N.value]), bias if bias is not None else c, M, N, K, float(beta))
     kwargs = dict(GROUP_M=group_m, STAGES=stages, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
-                  HAS_RESIDUAL=residual is not None, B_TRANS=b_trans, DEFER=bool(defer and heavy),
+                  HAS_RESIDUAL=residual is not None, B_TRANS=b_trans,
+                  DEFER=bool(defer and heavy and K >= 4 * BLOCK_K.value),
                   CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, num_warps=4)
     return c, grid, args, kwargs
 

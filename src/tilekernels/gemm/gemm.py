@@ -267,7 +267,7 @@ def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
 
 
 # Hopper launches of the large tile go to the Gluon kernel (``_gluon``) where it computes the call: its main loop
-# ran 0.7-2.5% faster than gemm_kernel's on the large anchor shapes (H100, bf16, CUDA graphs, 2026-12-07; RR
+# ran 0.8-2.5% faster (medians) than gemm_kernel's on the large anchor shapes (H100, bf16, CUDA graphs, 2026-12-07; RR
 # 8192^3 696 against 679 TFLOP/s, cuBLAS 669; benchmarks/NOTES.md). TILEKERNELS_GEMM_GLUON=0 keeps every launch
 # on gemm_kernel (read when a plan is made).
 def _gluon_takes(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input, trace,

@@ -1111,8 +1111,13 @@ def test_gpu_row_tail(layout, device):
         planned = configs.select_plan(M, N, K, torch.bfloat16, device, bool(epilogue))
         assert planned[1] is not None and [p.tail for p in mains] == [planned[1]], planned
         check(f"row-tail-{layout}-{M}x{N}x{K}-{sorted(epilogue)}", out, a, b, **epilogue)
-        # the main launch's own config (a heavy epilogue's is a stage fewer, for its TMA epilogue)
-        single = tk.gemm(a, b, config=mains[0].cfg, **epilogue)
+        # the main launch's own kernel and config over all rows (a heavy epilogue's is a stage fewer, for its TMA
+        # epilogue; a Gluon main launch, gemm._gluon_takes, is compared with the Gluon kernel)
+        if mains[0].gluon is not None:
+            from tilekernels.gemm._gluon import fused_gemm
+            single = fused_gemm(a, b, epilogue.get("bias"), epilogue.get("activation"), epilogue.get("residual"))
+        else:
+            single = tk.gemm(a, b, config=mains[0].cfg, **epilogue)
         assert torch.equal(out, single), f"{(out != single).sum().item()} elements differ from one launch"
 
 

@@ -1,12 +1,9 @@
-"""A Hopper GEMM with the heavy epilogue's residual in shared memory before the tile's K loop ends (Gluon).
+"""tk.gemm's Hopper kernel for the large 128x256x64 tile (Gluon), plain and with the fused epilogue.
 
-WORK IN PROGRESS (branch ``wip/gluon-fused-epilogue``): compiled for sm_90 on the CPU machine only; never run.
-
-Why: in ``_kernels.gemm_kernel`` (Triton) the residual of ``act(A @ B + bias) + residual`` is read after the
-tile's last K step, one TMA copy per epilogue slice that the program waits for at once; at 8192^3 that read
-costs 4.2% against the plain GEMM, and it is the whole of what the fused epilogue costs (benchmarks/NOTES.md,
-forty-fifth session). Triton's descriptor loads are synchronous and its allocator gives C's staging a buffer
-of its own, so the residual cannot be fetched ahead there. Here shared memory and barriers are explicit:
+``gemm.py`` sends a launch here where the plan takes the large tile on sm_90 and this kernel reads the operands
+(``applies``; ``TILEKERNELS_GEMM_GLUON=0`` keeps gemm_kernel). Why Gluon: its main loop ran 0.8-2.5% faster than
+``_kernels.gemm_kernel``'s on the large anchor shapes and equalled cuBLAS bit for bit (H100, bf16, CUDA graphs,
+2026-12-07; benchmarks/NOTES.md, forty-sixth and forty-seventh sessions). Shared memory and barriers are explicit:
 
 - one loader warp: A ``[128, 64]`` and B ``[64, 256]`` into a ring of ``STAGES`` slots (``ready`` / ``empty``
   barriers, as the attention kernels' rings);
@@ -17,11 +14,15 @@ of its own, so the residual cannot be fetched ahead there. Here shared memory an
   for another), a proxy fence, and ``c_full[W]``;
 - one I/O warp: for each tile, the residual halves into ``io`` (``res_ready``), then, as each consumer
   signals ``c_full``, C's half out of the same buffer by TMA, ``store_wait``, and at once the next tile's
-  residual half into it. The next residual is so requested at the start of the next tile's K loop and lands
-  long before its epilogue.
+  residual half into it (requested at the start of the next tile's K loop, it lands long before its epilogue).
+
+Fetching the residual ahead gained nothing against gemm_kernel's fused epilogue, and nor did running half the
+epilogue under the next tile's first K steps (since removed): what the fused epilogue costs is its arithmetic
+while no wgmma is issued (NOTES, forty-sixth session).
 
 Shared memory at 3 stages: 3 x 48 KiB of ring + 64 KiB of ``io`` = 208 KiB (C needs no buffer of its own).
-Only row-major bf16/fp16 A, B, residual and C, a bias ``[N]``, split-K 1.
+Only bf16/fp16, A row-major, B row- or column-major, C and the residual row-major, a bias ``[N]``, split-K 1, no
+async input (that stays on gemm_kernel).
 """
 
 import torch
@@ -191,56 +192,22 @@ if HAVE_GLUON:
     def _consumer(W: gl.constexpr, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta,
                   tiles_m, tiles_n, k_tiles, num_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                   B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-                  HAS_RESIDUAL: gl.constexpr, DEFER: gl.constexpr):
-        """One warpgroup: rows ``W * 64 ...`` of every tile of this program. The epilogue of the left column
-        half runs after the tile's K loop; with ``DEFER`` the right half's stays in registers and runs in four
-        column chunks between the next tile's first four K steps (under their wgmma), else at once."""
+                  HAS_RESIDUAL: gl.constexpr):
+        """One warpgroup: rows ``W * 64 ...`` of every tile of this program, then the epilogue of its half tile
+        into its half of ``io``."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                               instr_shape=[16, BLOCK_N // 2, 16])
-        chunk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                               instr_shape=[16, BLOCK_N // 8, 16])
         HALF_N: gl.constexpr = BLOCK_N // 2
-        CHUNK_N: gl.constexpr = BLOCK_N // 8
         step = 0
         t = 0
-        p0 = gl.zeros([HALF_M, CHUNK_N], gl.float32, chunk_layout)
-        p1 = p0
-        p2 = p0
-        p3 = p0
-        pend_col = 0
         for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             _, pid_n = _tile_mn(tile_id, tiles_m, tiles_n, GROUP_M)
             acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
             prev = 0
-            if DEFER:
-                # DEFER only where every tile has four K steps or more (the host's choice): an in-flight wgmma's
-                # accumulator must not pass through a branch that skips a step
-                for j in gl.static_range(4):
-                    acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, j > 0, STAGES, B_TRANS)
-                    if t > 0:
-                        if j == 0:
-                            pj = p0
-                        elif j == 1:
-                            pj = p1
-                        elif j == 2:
-                            pj = p2
-                        else:
-                            pj = p3
-                        _epilogue_part(pj, io.index(W).slice(HALF_N + j * CHUNK_N, CHUNK_N, dim=1),
-                                       pend_col + j * CHUNK_N, bias_ptr, N, beta, chunk_layout, HAS_BIAS,
-                                       ACTIVATION, HAS_RESIDUAL)
-                if t > 0:
-                    fence_async_shared()
-                    mbarrier.arrive(c_full.index(W))
-                for ki in range(4, k_tiles):
-                    acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, True, STAGES,
-                                              B_TRANS)
-            else:
-                for ki in range(k_tiles):
-                    acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, ki > 0, STAGES,
-                                              B_TRANS)
+            for ki in range(k_tiles):
+                acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, ki > 0, STAGES, B_TRANS)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(prev))
 
@@ -250,40 +217,17 @@ if HAVE_GLUON:
             col = pid_n * BLOCK_N
             _epilogue_part(left, io.index(W).slice(0, HALF_N, dim=1), col, bias_ptr, N, beta, half_layout,
                            HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
-            if DEFER:
-                q0, q1 = _split_cols(right)
-                c0, c1 = _split_cols(q0)
-                c2, c3 = _split_cols(q1)
-                p0 = gl.convert_layout(c0, chunk_layout)
-                p1 = gl.convert_layout(c1, chunk_layout)
-                p2 = gl.convert_layout(c2, chunk_layout)
-                p3 = gl.convert_layout(c3, chunk_layout)
-                pend_col = col + HALF_N
-            else:
-                _epilogue_part(right, io.index(W).slice(HALF_N, HALF_N, dim=1), col + HALF_N, bias_ptr, N, beta,
-                               half_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
-                fence_async_shared()
-                mbarrier.arrive(c_full.index(W))
+            _epilogue_part(right, io.index(W).slice(HALF_N, HALF_N, dim=1), col + HALF_N, bias_ptr, N, beta,
+                           half_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
+            fence_async_shared()
+            mbarrier.arrive(c_full.index(W))
             t += 1
-        if DEFER:
-            if t > 0:
-                part = io.index(W)
-                _epilogue_part(p0, part.slice(HALF_N, CHUNK_N, dim=1), pend_col, bias_ptr, N, beta, chunk_layout,
-                               HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
-                _epilogue_part(p1, part.slice(HALF_N + CHUNK_N, CHUNK_N, dim=1), pend_col + CHUNK_N, bias_ptr, N,
-                               beta, chunk_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
-                _epilogue_part(p2, part.slice(HALF_N + 2 * CHUNK_N, CHUNK_N, dim=1), pend_col + 2 * CHUNK_N,
-                               bias_ptr, N, beta, chunk_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
-                _epilogue_part(p3, part.slice(HALF_N + 3 * CHUNK_N, CHUNK_N, dim=1), pend_col + 3 * CHUNK_N,
-                               bias_ptr, N, beta, chunk_layout, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)
-                fence_async_shared()
-                mbarrier.arrive(c_full.index(W))
 
     @gluon.jit
     def fused_gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, M, N, K, beta,
                           GROUP_M: gl.constexpr, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr,
                           ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr, B_TRANS: gl.constexpr,
-                          DEFER: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                          CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
         """``C = act(A @ B + bias) + beta * residual``, persistent over 128x256 tiles (module docstring)."""
         dtype: gl.constexpr = a_desc.dtype
         tiles_m = gl.cdiv(M, BLOCK_M)
@@ -311,11 +255,9 @@ if HAVE_GLUON:
 
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m,
-                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
-                         DEFER)),
+                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)),
             (_consumer, (1, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m,
-                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION, HAS_RESIDUAL,
-                         DEFER)),
+                         tiles_n, k_tiles, num_tiles, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION, HAS_RESIDUAL)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tiles_m, tiles_n, k_tiles, num_tiles, GROUP_M,
                        STAGES, B_TRANS)),
             (_io, (r_desc, c_desc, io, res_ready, c_full, tiles_m, tiles_n, num_tiles, GROUP_M, HAS_RESIDUAL)),
@@ -327,14 +269,6 @@ def _descriptor(t: torch.Tensor, block_shape):
     elem = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), elem)
     return GluonDescriptor(t, list(t.shape), list(t.stride()), list(block_shape), layout)
-
-
-# The right column half's epilogue under the next tile's first K steps (``_consumer``). Off: level with the epilogue
-# at once (H100, 2026-12-07: 8192^3 fused 655-662 against 653-661 TFLOP/s), and its GPU test at 4100x4104x150 (three
-# K steps a tile, many tiles a program) failed for a reason not yet read (benchmarks/NOTES.md). The suspect: with
-# fewer than four K steps the in-flight accumulator passed through the branch that skipped the fourth, which the
-# kernel no longer has (DEFER only where K >= 4 * BLOCK_K); not yet run.
-DEFER_EPILOGUE = False
 
 
 def _tma_rows(t: torch.Tensor) -> bool:
@@ -387,11 +321,9 @@ def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int) -> G
         _descriptor(res, [HALF_M.value, BLOCK_N.value])))
     plan.ints = (rows, N, K)
     tiles = cdiv(rows, BLOCK_M.value) * cdiv(N, BLOCK_N.value)
-    heavy = bias is not None or activation is not None or residual is not None
     plan.launch = CachedLaunch(fused_gemm_kernel, max(1, min(tiles, num_sms)), dict(
         GROUP_M=8, STAGES=3, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
         HAS_RESIDUAL=residual is not None, B_TRANS=plan.b_trans,
-        DEFER=DEFER_EPILOGUE and heavy and K >= 4 * BLOCK_K.value,
         CONSUMER_REGS=232, WORKER_REGS=40), num_warps=4)
     return plan
 
@@ -408,11 +340,13 @@ def launch_args(plan: GluonPlan, a, b, c, bias, residual, beta: float) -> tuple:
             *plan.ints, beta)
 
 
-def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs, worker_regs, out,
-            defer):
-    """(kernel, grid, arguments, constexprs and options) of one launch."""
-    assert HAVE_GLUON and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype
-    assert a.stride(1) == 1 and (b.stride(1) == 1 or b.stride(0) == 1) and a.shape[1] == b.shape[0] >= 1
+def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs, worker_regs, out):
+    """(kernel, grid, arguments, constexprs and options) of one launch; ValueError for operands it does not read."""
+    if not (HAVE_GLUON and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and a.dim() == 2
+            and b.dim() == 2 and a.shape[1] == b.shape[0] >= 1 and _tma_rows(a)
+            and (_tma_rows(b) or (b.stride(0) == 1 and b.stride(1) % 8 == 0 and b.data_ptr() % 16 == 0))):
+        raise ValueError("fused_gemm: operands this kernel does not read (16-bit, a row-major and b row- or "
+                         "column-major with rows 16-byte aligned, K >= 1)")
     M, K = a.shape
     N = b.shape[1]
     b_trans = b.stride(1) != 1 or (b.stride(0) == 1 and N > 1 and b.stride(1) >= K)
@@ -422,14 +356,12 @@ def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, co
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     grid = (max(1, min(tiles, num_sms)),)
     res = residual if residual is not None else c
-    heavy = bias is not None or activation is not None or residual is not None
     b_desc = (_descriptor(b.t(), [BLOCK_N.value, BLOCK_K.value]) if b_trans
               else _descriptor(b, [BLOCK_K.value, BLOCK_N.value]))
     args = (_descriptor(a, [BLOCK_M.value, BLOCK_K.value]), b_desc, _descriptor(c, [HALF_M.value, BLOCK_N.value]),
             _descriptor(res, [HALF_M.value, BLOCK_N.value]), bias if bias is not None else c, M, N, K, float(beta))
     kwargs = dict(GROUP_M=group_m, STAGES=stages, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
                   HAS_RESIDUAL=residual is not None, B_TRANS=b_trans,
-                  DEFER=bool(defer and heavy and K >= 4 * BLOCK_K.value),
                   CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, num_warps=4)
     return c, grid, args, kwargs
 
@@ -437,21 +369,22 @@ def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, co
 def fused_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
                residual: torch.Tensor | None = None, beta: float = 1.0, *, num_sms: int | None = None,
                stages: int = 3, group_m: int = 8, consumer_regs: int = 232, worker_regs: int = 40,
-               out: torch.Tensor | None = None, defer: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """``act(a @ b + bias) + beta * residual`` for row-major bf16/fp16 ``a [M, K]`` and ``b [K, N]`` row- or
-    column-major (WIP, see the module docstring; no argument checks beyond these asserts)."""
+    column-major, in one launch of ``fused_gemm_kernel`` (tests and probes; ``tk.gemm`` plans its launches with
+    ``make_plan``). ValueError for operands it does not read."""
     c, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs,
-                                    worker_regs, out, defer)
+                                    worker_regs, out)
     fused_gemm_kernel[grid](*args, **kwargs)
     return c
 
 
 def compile_only(a, b, bias=None, activation=None, residual=None, beta=1.0, *, stages=3, group_m=8,
-                 consumer_regs=232, worker_regs=40, defer=False):
+                 consumer_regs=232, worker_regs=40):
     """The compiled kernel for these arguments on the active triton target, not launched (an offline sm_90
     build, ``scripts/compile_sm90.py``'s fake driver)."""
     _, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, 132, stages, group_m, consumer_regs,
-                                    worker_regs, None, defer)
+                                    worker_regs, None)
     return fused_gemm_kernel.warmup(*args, grid=grid, **kwargs)
 
 

@@ -15,6 +15,7 @@ registers for that call, as the H100 reported. The device image has triton 3.6 a
 3.6 here, install it aside (``pip install --target /tmp/t36 --no-deps triton==3.6.0``) and put it first:
 ``PYTHONPATH=/tmp/t36:src``. This is a developer tool: it replaces a few of tk.gemm's device queries in this
 process only (see ``_pretend_h100``). ``compile_gemm`` is the same for a script or a test (tests/gemm).
+``--gluon`` compiles the Gluon kernel that tk.gemm runs for the large tile on sm_90 instead (``gemm/_gluon.py``).
 """
 
 import argparse
@@ -118,6 +119,9 @@ def main(argv=None) -> int:
                         help="block_m,block_n,block_k,group_m,num_warps,num_stages")
     parser.add_argument("--pointer", action="store_true", help="operands by pointer loads, not TMA descriptors")
     parser.add_argument("--slices", type=int, default=0, help="epilogue column slices (0: the plan's choice)")
+    parser.add_argument("--gluon", action="store_true",
+                        help="the Gluon kernel that tk.gemm runs for the large tile on sm_90 (gemm/_gluon.py) in one "
+                             "launch, instead of tk.gemm's plan (--config, --pointer and --slices then do not apply)")
     parser.add_argument("--out", default="/tmp/sm90", help="folder for the TTGIR, PTX, cubin and SASS")
     parser.add_argument("--name", default="gemm", help="file name stem of the outputs")
     parser.add_argument("--json", action="store_true", help="also print the figures as a RESULTS {json} line")
@@ -135,7 +139,12 @@ def main(argv=None) -> int:
     block_m, block_n, block_k, group_m, num_warps, num_stages = (int(v) for v in args.config.split(","))
     config = GemmConfig(block_m, block_n, block_k, group_m, num_warps, num_stages, use_tma=not args.pointer,
                         epilogue_slices=args.slices)
-    compiled = compile_gemm(a, b, config, bias=bias, activation=args.activation, residual=residual)
+    if args.gluon:
+        _pretend_h100()
+        from tilekernels.gemm import _gluon
+        compiled = [_gluon.compile_only(a, b, bias, args.activation, residual)]
+    else:
+        compiled = compile_gemm(a, b, config, bias=bias, activation=args.activation, residual=residual)
     results = {}
     for i, kernel in enumerate(compiled):
         name = args.name if len(compiled) == 1 else f"{args.name}-{i}"

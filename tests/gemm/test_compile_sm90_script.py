@@ -31,3 +31,20 @@ def test_compile_sm90_heavy_epilogue(compile_in_child, tmp_path):
     # planned as on an H100: the residual read and C written by TMA (what makes this the heavy epilogue's path)
     ttgir = pathlib.Path(f"{kernel['files']}.ttgir").read_text()
     assert "async_tma_copy_local_to_global" in ttgir and ttgir.count("async_tma_copy_global_to_local") >= 3
+
+
+def test_compile_sm90_gluon_kernel(compile_in_child, tmp_path):
+    """The Gluon kernel tk.gemm runs for Hopper's large tile (``gemm/_gluon.py``; Gluon does not run under the
+    interpreter, so this is its CPU lane): bias + gelu + residual, B column-major, compiled for sm_90. It fits an
+    H100's shared memory, does not spill, and issues m64n256 wgmma."""
+    wrapper = tmp_path / "run.py"
+    wrapper.write_text(
+        "import runpy, sys\n"
+        f"sys.argv = [{str(SCRIPT)!r}, '--gluon', '--shape', '300x520x72', '--layout', 'RC', '--bias', '--activation',\n"
+        f"            'gelu', '--residual', '--out', {str(tmp_path / 'out')!r}, '--json']\n"
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    results = compile_in_child(wrapper)
+    (kernel,) = results.values()
+    assert 0 < kernel["shared"] <= 232448 and kernel["local"] == 0, kernel
+    sass = pathlib.Path(f"{kernel['files']}.sass").read_text()
+    assert "HGMMA.64x256x16" in sass

@@ -74,13 +74,17 @@ def test_gpu_gluon_fused(shape, epilogue):
 
 
 def test_fused_gemm_refuses_operands_it_cannot_read():
-    """A row stride that is not 16 bytes (K = 150 bf16: the GPU case at 4100x4104x150 failed on that, 2026-12-07) or
-    fp32 operands: ValueError naming the function, before a descriptor is made (so on any device)."""
+    """Rows that are not 16 bytes apart (K = 150 bf16: the GPU case at 4100x4104x150 failed on that, 2026-12-07, and
+    N = 150), fp32 or mixed dtypes: ValueError naming the operand, before a descriptor is made (so on any device)."""
     from tilekernels.gemm import _gluon
 
     if not _gluon.HAVE_GLUON:
         pytest.skip("this triton has no Gluon")
-    with pytest.raises(ValueError, match="fused_gemm"):
+    with pytest.raises(ValueError, match="fused_gemm: a must be row-major with rows 16 bytes apart"):
         _gluon.fused_gemm(torch.zeros(64, 150, dtype=torch.bfloat16), torch.zeros(150, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="fused_gemm"):
+    with pytest.raises(ValueError, match="fused_gemm: b must be row- or column-major"):
+        _gluon.fused_gemm(torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 150, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fused_gemm: a must be bfloat16 or float16"):
         _gluon.fused_gemm(torch.zeros(64, 64), torch.zeros(64, 64))
+    with pytest.raises(ValueError, match="fused_gemm: b must have a's dtype"):
+        _gluon.fused_gemm(torch.zeros(64, 64, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.float16))

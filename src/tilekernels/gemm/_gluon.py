@@ -277,6 +277,23 @@ def _tma_rows(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
+def _b_readable(b: torch.Tensor) -> bool:
+    """Whether B is row-major as ``_tma_rows`` needs, or column-major the same way (read as ``b.t()``)."""
+    return _tma_rows(b) or (b.stride(0) == 1 and b.stride(1) % 8 == 0 and b.data_ptr() % 16 == 0)
+
+
+def _b_trans(b: torch.Tensor) -> bool:
+    """Whether the kernel reads B through ``b.t()`` (column-major B; ``_b_readable`` holds)."""
+    return not (b.stride(1) == 1 and b.stride(0) % 8 == 0)
+
+
+def _constexprs(bias, activation, residual, b_trans: bool) -> dict:
+    """The kernel's constexprs for one launch: a group of 8 row tiles, 3 stages (the fourth's room is ``io``),
+    and registers per thread for the consumers and the two one-warp workers."""
+    return dict(GROUP_M=8, STAGES=3, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
+                HAS_RESIDUAL=residual is not None, B_TRANS=b_trans, CONSUMER_REGS=232, WORKER_REGS=40)
+
+
 def applies(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b) -> bool:
     """Whether this kernel computes ``tk.gemm``'s call (its caller has settled the launch: the large tile, split-K 1,
     no async input): Hopper, 16-bit A row-major, B row- or column-major, C and the residual row-major of the
@@ -286,7 +303,7 @@ def applies(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b) -
         return False
     if not (_tma_rows(a) and _tma_rows(c)):
         return False
-    if not (_tma_rows(b) or (b.stride(0) == 1 and b.stride(1) % 8 == 0 and b.data_ptr() % 16 == 0)):
+    if not _b_readable(b):
         return False
     N = b.shape[1]
     if bias is not None and not (bias.dim() == 1 and bias.shape[0] == N and bias.stride(0) == 1):
@@ -311,7 +328,7 @@ def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int) -> G
     K, N = a.shape[1], b.shape[1]
     plan = GluonPlan()
     plan.rows = rows
-    plan.b_trans = not (b.stride(1) == 1 and b.stride(0) % 8 == 0)
+    plan.b_trans = _b_trans(b)
     a_rows, c_rows = a[:rows], c[:rows]
     res = residual[:rows] if residual is not None else c_rows
     b_desc = (_descriptor(b.t(), [BLOCK_N.value, BLOCK_K.value]) if plan.b_trans
@@ -321,10 +338,8 @@ def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int) -> G
         _descriptor(res, [HALF_M.value, BLOCK_N.value])))
     plan.ints = (rows, N, K)
     tiles = cdiv(rows, BLOCK_M.value) * cdiv(N, BLOCK_N.value)
-    plan.launch = CachedLaunch(fused_gemm_kernel, max(1, min(tiles, num_sms)), dict(
-        GROUP_M=8, STAGES=3, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
-        HAS_RESIDUAL=residual is not None, B_TRANS=plan.b_trans,
-        CONSUMER_REGS=232, WORKER_REGS=40), num_warps=4)
+    plan.launch = CachedLaunch(fused_gemm_kernel, max(1, min(tiles, num_sms)),
+                               _constexprs(bias, activation, residual, plan.b_trans), num_warps=4)
     return plan
 
 
@@ -340,16 +355,26 @@ def launch_args(plan: GluonPlan, a, b, c, bias, residual, beta: float) -> tuple:
             *plan.ints, beta)
 
 
-def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs, worker_regs, out):
-    """(kernel, grid, arguments, constexprs and options) of one launch; ValueError for operands it does not read."""
-    if not (HAVE_GLUON and a.dtype in (torch.bfloat16, torch.float16) and b.dtype == a.dtype and a.dim() == 2
-            and b.dim() == 2 and a.shape[1] == b.shape[0] >= 1 and _tma_rows(a)
-            and (_tma_rows(b) or (b.stride(0) == 1 and b.stride(1) % 8 == 0 and b.data_ptr() % 16 == 0))):
-        raise ValueError("fused_gemm: operands this kernel does not read (16-bit, a row-major and b row- or "
-                         "column-major with rows 16-byte aligned, K >= 1)")
+def _launch(a, b, bias, activation, residual, beta, num_sms, out):
+    """(grid, arguments, constexprs and options) of one launch and its output; ValueError naming the operand this
+    kernel does not read."""
+    if not HAVE_GLUON:
+        raise RuntimeError("fused_gemm: this triton has no Gluon")
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fused_gemm: a must be bfloat16 or float16, got {a.dtype}")
+    if b.dtype != a.dtype:
+        raise ValueError(f"fused_gemm: b must have a's dtype {a.dtype}, got {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.shape[1] < 1:
+        raise ValueError(f"fused_gemm: a [M, K] and b [K, N] with K >= 1, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if not _tma_rows(a):
+        raise ValueError(f"fused_gemm: a must be row-major with rows 16 bytes apart and 16-byte aligned (TMA), got "
+                         f"strides {a.stride()}")
+    if not _b_readable(b):
+        raise ValueError(f"fused_gemm: b must be row- or column-major with rows 16 bytes apart and 16-byte aligned "
+                         f"(TMA), got strides {b.stride()}")
     M, K = a.shape
     N = b.shape[1]
-    b_trans = b.stride(1) != 1 or (b.stride(0) == 1 and N > 1 and b.stride(1) >= K)
+    b_trans = _b_trans(b)
     c = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
     tiles = cdiv(M, BLOCK_M.value) * cdiv(N, BLOCK_N.value)
     if num_sms is None:
@@ -360,31 +385,24 @@ def _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, co
               else _descriptor(b, [BLOCK_K.value, BLOCK_N.value]))
     args = (_descriptor(a, [BLOCK_M.value, BLOCK_K.value]), b_desc, _descriptor(c, [HALF_M.value, BLOCK_N.value]),
             _descriptor(res, [HALF_M.value, BLOCK_N.value]), bias if bias is not None else c, M, N, K, float(beta))
-    kwargs = dict(GROUP_M=group_m, STAGES=stages, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
-                  HAS_RESIDUAL=residual is not None, B_TRANS=b_trans,
-                  CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs, num_warps=4)
-    return c, grid, args, kwargs
+    return c, grid, args, dict(_constexprs(bias, activation, residual, b_trans), num_warps=4)
 
 
 def fused_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
-               residual: torch.Tensor | None = None, beta: float = 1.0, *, num_sms: int | None = None,
-               stages: int = 3, group_m: int = 8, consumer_regs: int = 232, worker_regs: int = 40,
+               residual: torch.Tensor | None = None, beta: float = 1.0, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``act(a @ b + bias) + beta * residual`` for row-major bf16/fp16 ``a [M, K]`` and ``b [K, N]`` row- or
-    column-major, in one launch of ``fused_gemm_kernel`` (tests and probes; ``tk.gemm`` plans its launches with
-    ``make_plan``). ValueError for operands it does not read."""
-    c, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, num_sms, stages, group_m, consumer_regs,
-                                    worker_regs, out)
+    column-major, in one launch of ``fused_gemm_kernel`` with tk.gemm's constexprs (tests and probes; ``tk.gemm``
+    plans its launches with ``make_plan``). ValueError naming an operand it does not read."""
+    c, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, None, out)
     fused_gemm_kernel[grid](*args, **kwargs)
     return c
 
 
-def compile_only(a, b, bias=None, activation=None, residual=None, beta=1.0, *, stages=3, group_m=8,
-                 consumer_regs=232, worker_regs=40):
-    """The compiled kernel for these arguments on the active triton target, not launched (an offline sm_90
-    build, ``scripts/compile_sm90.py``'s fake driver)."""
-    _, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, 132, stages, group_m, consumer_regs,
-                                    worker_regs, None)
+def compile_only(a, b, bias=None, activation=None, residual=None, beta=1.0):
+    """The kernel for these arguments compiled on the active triton target as an H100 launch (132 SMs), not
+    launched: ``scripts/compile_sm90.py --gluon`` builds it offline."""
+    _, grid, args, kwargs = _launch(a, b, bias, activation, residual, beta, 132, None)
     return fused_gemm_kernel.warmup(*args, grid=grid, **kwargs)
 
 

@@ -13,17 +13,21 @@ import pathlib
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "compile_sm90.py"
 
 
+def _compile(compile_in_child, tmp_path, *args) -> dict:
+    """The one kernel that ``compile_sm90.py *args --out <tmp> --json`` compiles: its RESULTS entry."""
+    wrapper = tmp_path / "run.py"
+    argv = [str(SCRIPT), *args, "--out", str(tmp_path / "out"), "--json"]
+    wrapper.write_text(f"import runpy, sys\nsys.argv = {argv!r}\n"
+                       f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    (kernel,) = compile_in_child(wrapper).values()
+    return kernel
+
+
 def test_compile_sm90_heavy_epilogue(compile_in_child, tmp_path):
     """A small heavy-epilogue launch (bias, gelu, residual; C and the residual through TMA): it compiles, its
     outputs are written, and it fits an H100's shared memory."""
-    wrapper = tmp_path / "run.py"
-    wrapper.write_text(
-        "import runpy, sys\n"
-        f"sys.argv = [{str(SCRIPT)!r}, '--shape', '300x520x72', '--bias', '--activation', 'gelu', '--residual',\n"
-        f"            '--config', '64,128,32,8,4,2', '--out', {str(tmp_path / 'out')!r}, '--json']\n"
-        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
-    results = compile_in_child(wrapper)
-    (kernel,) = results.values()
+    kernel = _compile(compile_in_child, tmp_path, "--shape", "300x520x72", "--bias", "--activation", "gelu",
+                      "--residual", "--config", "64,128,32,8,4,2")
     assert 0 < kernel["shared"] <= 232448, kernel
     assert kernel["registers"] > 0 and kernel["local"] >= 0, kernel
     for ext in ("ttgir", "ptx", "cubin", "sass"):
@@ -37,14 +41,8 @@ def test_compile_sm90_gluon_kernel(compile_in_child, tmp_path):
     """The Gluon kernel tk.gemm runs for Hopper's large tile (``gemm/_gluon.py``; Gluon does not run under the
     interpreter, so this is its CPU lane): bias + gelu + residual, B column-major, compiled for sm_90. It fits an
     H100's shared memory, does not spill, and issues m64n256 wgmma."""
-    wrapper = tmp_path / "run.py"
-    wrapper.write_text(
-        "import runpy, sys\n"
-        f"sys.argv = [{str(SCRIPT)!r}, '--gluon', '--shape', '300x520x72', '--layout', 'RC', '--bias', '--activation',\n"
-        f"            'gelu', '--residual', '--out', {str(tmp_path / 'out')!r}, '--json']\n"
-        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
-    results = compile_in_child(wrapper)
-    (kernel,) = results.values()
+    kernel = _compile(compile_in_child, tmp_path, "--gluon", "--shape", "300x520x72", "--layout", "RC", "--bias",
+                      "--activation", "gelu", "--residual")
     assert 0 < kernel["shared"] <= 232448 and kernel["local"] == 0, kernel
     sass = pathlib.Path(f"{kernel['files']}.sass").read_text()
     assert "HGMMA.64x256x16" in sass

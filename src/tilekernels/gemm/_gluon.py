@@ -284,7 +284,7 @@ def _b_readable(b: torch.Tensor) -> bool:
 
 def _b_trans(b: torch.Tensor) -> bool:
     """Whether the kernel reads B through ``b.t()`` (column-major B; ``_b_readable`` holds)."""
-    return not (b.stride(1) == 1 and b.stride(0) % 8 == 0)
+    return not _tma_rows(b)
 
 
 def _constexprs(bias, activation, residual, b_trans: bool) -> dict:

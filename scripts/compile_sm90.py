@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gluon", action="store_true",
                         help="the Gluon kernel that tk.gemm runs for the large tile on sm_90 (gemm/_gluon.py) in one "
                              "launch, instead of tk.gemm's plan (--config, --pointer and --slices then do not apply)")
+    parser.add_argument("--async-input", action="store_true",
+                        help="with --gluon: the kernel's async-input form (chunk signals waited on by the loader)")
     parser.add_argument("--out", default="/tmp/sm90", help="folder for the TTGIR, PTX, cubin and SASS")
     parser.add_argument("--name", default="gemm", help="file name stem of the outputs")
     parser.add_argument("--json", action="store_true", help="also print the figures as a RESULTS {json} line")
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     if args.gluon:
         _pretend_h100()
         from tilekernels.gemm import _gluon
-        compiled = [_gluon.compile_only(a, b, bias, args.activation, residual)]
+        compiled = [_gluon.compile_only(a, b, bias, args.activation, residual, async_input=args.async_input)]
     else:
         compiled = compile_gemm(a, b, config, bias=bias, activation=args.activation, residual=residual)
     results = {}

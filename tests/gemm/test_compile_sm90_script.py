@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "compile_sm90.py"
 
 
@@ -37,12 +39,17 @@ def test_compile_sm90_heavy_epilogue(compile_in_child, tmp_path):
     assert "async_tma_copy_local_to_global" in ttgir and ttgir.count("async_tma_copy_global_to_local") >= 3
 
 
-def test_compile_sm90_gluon_kernel(compile_in_child, tmp_path):
+@pytest.mark.parametrize("async_input", [False, True], ids=["plain", "async-input"])
+def test_compile_sm90_gluon_kernel(compile_in_child, tmp_path, async_input):
     """The Gluon kernel tk.gemm runs for Hopper's large tile (``gemm/_gluon.py``; Gluon does not run under the
-    interpreter, so this is its CPU lane): bias + gelu + residual, B column-major, compiled for sm_90. It fits an
-    H100's shared memory, does not spill, and issues m64n256 wgmma."""
+    interpreter, so this is its CPU lane): bias + gelu + residual, B column-major, compiled for sm_90, and its
+    async-input form. It fits an H100's shared memory, does not spill, and issues m64n256 wgmma; the async form
+    polls its signals with system-scope atomics (two per wait: the first poll and the last) and sleeps between
+    polls."""
     kernel = _compile(compile_in_child, tmp_path, "--gluon", "--shape", "300x520x72", "--layout", "RC", "--bias",
-                      "--activation", "gelu", "--residual")
+                      "--activation", "gelu", "--residual", *(["--async-input"] if async_input else []))
     assert 0 < kernel["shared"] <= 232448 and kernel["local"] == 0, kernel
     sass = pathlib.Path(f"{kernel['files']}.sass").read_text()
     assert "HGMMA.64x256x16" in sass
+    assert sass.count("ATOMG.E.ADD.STRONG.SYS") == (2 if async_input else 0)
+    assert ("NANOSLEEP" in sass) == async_input

@@ -165,3 +165,86 @@ def test_gpu_gluon_leaves_other_calls_to_gemm_kernel(case, device):
     assert all(p.gluon is None for p in _plans()), case
     kw.pop("split_k", None)
     _check(f"not-gluon-{case}", out, a, b, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["RR", "RC"])
+@pytest.mark.parametrize("rows_per_chunk", [512, 200], ids=["whole-tiles", "straddling"])
+def test_gpu_gluon_takes_async_input(layout, rows_per_chunk, device):
+    """tk.gemm(async_input=...) with every chunk preset, pivots first, second, middle and last, three epochs
+    (signals never zeroed): the Gluon kernel takes the launch and equals tk.gemm bit for bit (the same kernel, the
+    same K order per tile)."""
+    _hopper(device)
+    M, N, K = 4096, 4096, 1024
+    a, b = _operands(M, N, K, layout, device)
+    plain = tk.gemm(a, b)
+    chunks = -(-M // rows_per_chunk)
+    signals = torch.zeros(chunks, dtype=torch.int32, device=device)
+    for epoch in (1, 2, 3):
+        signals.fill_(epoch)
+        for pivot in sorted({0, 1, chunks // 2, chunks - 1}):
+            gemm_mod._PLANS.clear()
+            out = poisoned((M, N), torch.bfloat16, device)
+            tk.gemm(a, b, out=out, async_input=tk.AsyncInputScheduler(signals, rows_per_chunk, pivot, epoch))
+            tk.raise_pending_errors()
+            assert [p.gluon is not None for p in _plans()] == [True], f"pivot {pivot}"
+            assert torch.equal(out, plain), f"epoch {epoch}, pivot {pivot}"
+
+
+@gpu
+def test_gpu_gluon_async_input_before_a_row_tail(device):
+    """Issue 3's 4096x3584x8192, whose async plan has a row tail: the Gluon kernel walks the pivoted row tiles but
+    the last few, gemm_kernel's tail computes those; every pivot equals tk.gemm bit for bit."""
+    _hopper(device)
+    M, N, K, chunks = 4096, 3584, 8192, 4
+    _, tail = configs.select_plan(M, N, K, torch.bfloat16, device, async_input=True)
+    if tail is None:
+        pytest.skip(f"no async row tail for {M}x{N}x{K} on {configs.sm_count(device)} SMs")
+    a, b = _operands(M, N, K, "RC", device)
+    plain = tk.gemm(a, b)
+    signals = torch.ones(chunks, dtype=torch.int32, device=device)
+    for pivot in range(chunks):
+        gemm_mod._PLANS.clear()
+        out = poisoned((M, N), torch.bfloat16, device)
+        tk.async_input_mm(a, b, signals, pivot, out=out)
+        tk.raise_pending_errors()
+        mains = [p for p in _plans() if p.tail is not None]
+        assert len(mains) == 1 and mains[0].gluon is not None, f"pivot {pivot}"
+        assert torch.equal(out, plain), f"pivot {pivot}"
+
+
+@gpu
+@pytest.mark.parametrize(("M", "K", "rows_per_chunk"), [(4096, 512, 1024), (4096, 512, 1000), (16384, 64, 4096)],
+                         ids=["whole-tiles", "straddling", "one-k-step"])
+def test_gpu_gluon_async_missing_chunk(M, K, rows_per_chunk, device):
+    """A chunk never signalled, its rows of A NaN: the Gluon kernel ends (bounded waits), TimeoutError names the
+    chunk, every tile that touches it is left unwritten, every other row is exact, and the next call with the
+    chunk signalled is whole. ``one-k-step``: one K step a tile and about 16 tiles a program, so the loader runs
+    several tiles ahead of the I/O warp and the ring of skipped tiles (``MISSED_RING``) wraps twice."""
+    _hopper(device)
+    N, missing = 4096, 2
+    a, b = _operands(M, N, K, "RR", device)
+    plain = tk.gemm(a, b)
+    chunks = -(-M // rows_per_chunk)
+    lost = range(missing * rows_per_chunk, min(M, (missing + 1) * rows_per_chunk))
+    a_nan = a.clone()
+    a_nan[lost.start:lost.stop] = float("nan")
+    signals = torch.ones(chunks, dtype=torch.int32, device=device)
+    signals[missing] = 0
+    gemm_mod._PLANS.clear()
+    out = torch.full((M, N), 640.0, dtype=torch.bfloat16, device=device)   # exact in bf16
+    # (chunks of 1000 rows do not split A equally, so tk.gemm's scheduler, not async_input_mm's equal chunks)
+    tk.gemm(a_nan, b, out=out, async_input=tk.AsyncInputScheduler(signals, rows_per_chunk, 1, max_spins=1000))
+    torch.cuda.synchronize()
+    assert _plans()[0].gluon is not None
+    with pytest.raises(TimeoutError, match=rf"chunk\(s\) {missing} "):
+        tk.raise_pending_errors()
+    skipped = torch.zeros(M, dtype=torch.bool, device=device)
+    for t in range(0, M, 128):
+        if t < lost.stop and lost.start < t + 128:
+            skipped[t:t + 128] = True
+    assert (out[skipped] == 640.0).all(), "a tile whose chunk never came was written"
+    assert torch.equal(out[~skipped], plain[~skipped]), "arrived rows differ"
+    signals[missing] = 1
+    assert torch.equal(tk.gemm(a, b, async_input=tk.AsyncInputScheduler(signals, rows_per_chunk, 1)), plain)
+    tk.raise_pending_errors()

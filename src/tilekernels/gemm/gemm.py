@@ -272,9 +272,13 @@ def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
 # on gemm_kernel (read when a plan is made).
 def _gluon_takes(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input, trace,
                  cfg) -> bool:
-    """Whether the Gluon kernel takes this launch: Hopper, no async input, trace, split-K or config override, the
-    large 128x256x64 tile chosen, and operands it reads (``_gluon.applies``)."""
-    if (async_input is not None or trace is not None or split_k != 1 or active_override() is not None
+    """Whether the Gluon kernel takes this launch: Hopper, no trace, split-K or config override, the large 128x256x64
+    tile chosen, and operands it reads (``_gluon.applies``). Async input only as tk.async_input_mm and
+    ``tk.gemm(async_input=...)`` give it (an integer ``signal_value``); tk.dist's launches (their own error table,
+    the pivot chunk's rows from a tensor of their own, a device epoch) stay on gemm_kernel."""
+    if async_input is not None and (len(async_input) != 5 or isinstance(async_input[3], torch.Tensor)):
+        return False
+    if (trace is not None or split_k != 1 or active_override() is not None
             or (cfg.block_m, cfg.block_n, cfg.block_k) != (128, 256, 64) or not a.is_cuda or is_interpreter()
             or os.environ.get("TILEKERNELS_GEMM_GLUON", "1") == "0" or capability(a.device) != (9, 0)):
         return False
@@ -318,9 +322,11 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     plan.gluon = None
     if chosen and _gluon_takes(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
                                trace, cfg):
-        # the Gluon kernel takes the rows of the large tile (all of them, or the main launch's before a row tail)
-        plan.gluon = _gluon.make_plan(a, b, c, bias, residual, activation, span[0] if tail is not None else M,
-                                      sm_count(a.device))
+        # the Gluon kernel takes the rows of the large tile: all of them, or the main launch's before a row tail
+        # (the first span[0] rows; with async input the row tiles but the last `skip` in the pivoted order)
+        rows = span[0] if tail is not None and async_input is None else M
+        plan.gluon = _gluon.make_plan(a, b, c, bias, residual, activation, rows, sm_count(a.device), cfg.group_m,
+                                      async_input, skip if async_input is not None else 0)
         plan.kernel, plan.reduce, plan.use_tma = plan.gluon.launch, None, False
         return plan
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
@@ -537,7 +543,10 @@ def _call(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_
                                                  split_k, async_input, trace, cfg, wait_row0), _MAX_PLANS)
     if plan.gluon is not None:
         ensure_cuda_context(a.device.index)
-        return plan, _gluon.launch_args(plan.gluon, a, b, c, bias, residual, beta), None
+        if async_input is None:
+            return plan, _gluon.launch_args(plan.gluon, a, b, c, bias, residual, beta), None
+        return plan, _gluon.launch_args(plan.gluon, a, b, c, bias, residual, beta, async_input[0], errors,
+                                        async_input[3], async_input[4]), None
 
     if plan.use_tma:
         if a.is_cuda:

@@ -437,11 +437,11 @@ class GluonPlan:
     __slots__ = ("launch", "descs", "rows", "b_trans", "ints")
 
 
-def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int, group_m: int = 8, async_input=None,
-              skip: int = 0) -> GluonPlan:
+def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int, group_m: int = 8,
+              async_tiles=None) -> GluonPlan:
     """The plan for ``c = act(a @ b + bias) + beta * residual`` (``applies`` holds) over rows ``[0, rows)``, or
-    with ``async_input`` (``gemm._launch``'s tuple) over A's row tiles but the last ``skip`` in the pivoted order
-    (a row tail computes those)."""
+    with ``async_tiles`` = (rows per chunk, pivot row tile, skip) over A's row tiles from the pivot tile on but the
+    last ``skip`` (a row tail computes those)."""
     from .._runtime import CachedLaunch, as_template
 
     K, N = a.shape[1], b.shape[1]
@@ -455,15 +455,12 @@ def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int, grou
     plan.descs = tuple(as_template(d) for d in (
         _descriptor(a_rows, [BLOCK_M.value, BLOCK_K.value]), b_desc, _descriptor(c_rows, [HALF_M.value, BLOCK_N.value]),
         _descriptor(res, [HALF_M.value, BLOCK_N.value])))
+    rows_per_chunk, pivot_tile_m, skip = async_tiles if async_tiles is not None else (0, 0, 0)
     tiles_m = cdiv(rows, BLOCK_M.value) - skip
-    pivot_tile_m = rows_per_chunk = 0
-    if async_input is not None:
-        rows_per_chunk, pivot_chunk = async_input[1], async_input[2]
-        pivot_tile_m = pivot_chunk * rows_per_chunk // BLOCK_M.value
     plan.ints = (rows, N, K, tiles_m, pivot_tile_m, rows_per_chunk)
     tiles = tiles_m * cdiv(N, BLOCK_N.value)
     plan.launch = CachedLaunch(fused_gemm_kernel, max(1, min(tiles, num_sms)),
-                               _constexprs(bias, activation, residual, plan.b_trans, group_m, async_input is not None),
+                               _constexprs(bias, activation, residual, plan.b_trans, group_m, async_tiles is not None),
                                num_warps=4)
     return plan
 

@@ -319,6 +319,8 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
 
     plan = _Plan()
     plan.cfg, plan.split_k, plan.tail, plan.tail_span = cfg, split_k, tail, span
+    # the one pivoted row-tile index's offset, for whichever kernel takes the launch
+    pivot_tile_m = async_input[1] * async_input[2] // cfg.block_m if async_input is not None else 0
     plan.gluon = None
     if chosen and _gluon_takes(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
                                trace, cfg):
@@ -326,7 +328,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         # (the first span[0] rows; with async input the row tiles but the last `skip` in the pivoted order)
         rows = span[0] if tail is not None and async_input is None else M
         plan.gluon = _gluon.make_plan(a, b, c, bias, residual, activation, rows, sm_count(a.device), cfg.group_m,
-                                      async_input, skip if async_input is not None else 0)
+                                      (async_input[1], pivot_tile_m, skip) if async_input is not None else None)
         plan.kernel, plan.reduce, plan.use_tma = plan.gluon.launch, None, False
         return plan
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
@@ -368,7 +370,7 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
     plan.local_ints = (0, 0)
     if async_input is not None:
         rows_per_chunk, pivot_chunk = async_input[1], async_input[2]
-        plan.async_ints = (rows_per_chunk, pivot_chunk * rows_per_chunk // cfg.block_m, skip, wait_row0)
+        plan.async_ints = (rows_per_chunk, pivot_tile_m, skip, wait_row0)
         if a_local is not None:
             plan.local_ints = (pivot_chunk * rows_per_chunk, pivot_chunk * rows_per_chunk + a_local.shape[0])
     plan.acc_int = a.dtype == torch.int8

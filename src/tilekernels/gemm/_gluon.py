@@ -497,23 +497,15 @@ def _launch(a, b, bias, activation, residual, beta, num_sms, group_m, out, async
     if not _b_readable(b):
         raise ValueError(f"fused_gemm: b must be row- or column-major with rows 16 bytes apart and 16-byte aligned "
                          f"(TMA), got strides {b.stride()}")
-    M, K = a.shape
-    N = b.shape[1]
-    b_trans = _b_trans(b)
+    M, N = a.shape[0], b.shape[1]
     c = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
-    tiles_m = cdiv(M, BLOCK_M.value)
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    grid = (max(1, min(tiles_m * cdiv(N, BLOCK_N.value), num_sms)),)
-    res = residual if residual is not None else c
-    b_desc = (_descriptor(b.t(), [BLOCK_N.value, BLOCK_K.value]) if b_trans
-              else _descriptor(b, [BLOCK_K.value, BLOCK_N.value]))
-    args = (_descriptor(a, [BLOCK_M.value, BLOCK_K.value]), b_desc, _descriptor(c, [HALF_M.value, BLOCK_N.value]),
-            _descriptor(res, [HALF_M.value, BLOCK_N.value]), bias if bias is not None else c,
-            *(async_words or (c, c)), M, N, K, tiles_m, 0, 1000 if async_words else 0, 1 << 20, 1 << 20,
-            float(beta))
-    return c, grid, args, dict(_constexprs(bias, activation, residual, b_trans, group_m, async_words is not None),
-                               num_warps=4)
+    # tk.gemm's plan and arguments, so that tests and probes run the descriptors and integers tk.gemm launches with
+    plan = make_plan(a, b, c, bias, residual, activation, M, num_sms, group_m,
+                     (1000, 0, 0) if async_words else None)
+    args = launch_args(plan, a, b, c, bias, residual, float(beta), *(async_words or (None, None)), 1 << 20, 1 << 20)
+    return c, (plan.launch.grid,), args, dict(plan.launch.constexprs, **plan.launch.options)
 
 
 def fused_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,

@@ -21,7 +21,8 @@ import sys, torch
 import tilekernels as tk
 from tilekernels.gemm._gluon import fused_gemm
 from tilekernels.testing import assert_close, poisoned, reference_gemm
-M, N, K, dtype, bias_on, activation, res_on, b_col = sys.argv[1:]
+M, N, K, dtype, bias_on, activation, res_on, b_col, beta = sys.argv[1:]
+beta = float(beta)
 M, N, K = int(M), int(N), int(K)
 dtype = getattr(torch, dtype)
 activation = None if activation == "none" else activation
@@ -34,9 +35,9 @@ bias = torch.randn(N, device="cuda").to(dtype) if bias_on == "1" else None
 res = torch.randn(M, N, device="cuda").to(dtype) if res_on == "1" else None
 out = poisoned((M, N), dtype, torch.device("cuda"))
 for _ in range(3):   # persistent programs and barrier phases over repeated calls
-    fused_gemm(a, b, bias, activation, res, 0.5, out=out)
+    fused_gemm(a, b, bias, activation, res, beta, out=out)
 torch.cuda.synchronize()
-kw = dict(bias=bias, activation=activation, residual=res, beta=0.5 if res is not None else 1.0)
+kw = dict(bias=bias, activation=activation, residual=res, beta=beta if res is not None else 1.0)
 ref = reference_gemm(a, b, **kw)
 torch_out = reference_gemm(a, b, compute_dtype=None, **kw)
 assert_close(f"gluon-{M}x{N}x{K}", out, ref, torch_out, ratio=2.0)
@@ -58,7 +59,8 @@ CASES = [((4100, 4104, 1000), "bias-gelu-res"), ((8192, 8192, 8192), "bias-gelu-
          ((300, 520, 72), "bias-gelu-res"), ((17, 40, 8), "bias-gelu-res"), ((4100, 4104, 1000), "none"),
          ((4100, 4104, 1000), "res"), ((300, 520, 72), "bias-silu"), ((300, 520, 72), "none"),
          ((4100, 4104, 152), "bias-gelu-res"), ((4100, 4104, 304), "bias-gelu-res"), ((4100, 4104, 1000), "bias-gelu-res-bcol"),
-         ((300, 520, 72), "bias-gelu-res-bcol"), ((4100, 4104, 1000), "none-bcol")]
+         ((300, 520, 72), "bias-gelu-res-bcol"), ((4100, 4104, 1000), "none-bcol"),
+         ((4100, 4104, 1000), "bias-gelu-res-beta1"), ((300, 520, 72), "res-beta1")]
 
 
 @gpu
@@ -70,7 +72,8 @@ def test_gpu_gluon_fused(shape, epilogue):
     res_on = "1" if "res" in epilogue else "0"
     activation = next((x for x in ("gelu", "silu") if x in epilogue), "none")
     b_col = "1" if "bcol" in epilogue else "0"
-    print(_run(*shape, "bfloat16", bias_on, activation, res_on, b_col))
+    beta = 1.0 if "beta1" in epilogue else 0.5   # beta 1 adds the residual without a multiply (UNIT_BETA)
+    print(_run(*shape, "bfloat16", bias_on, activation, res_on, b_col, beta))
 
 
 def test_fused_gemm_refuses_operands_it_cannot_read():

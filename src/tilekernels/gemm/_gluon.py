@@ -127,6 +127,15 @@ if HAVE_GLUON:
         return ready
 
     @gluon.jit
+    def _widen(x):
+        """16-bit ``x`` as float32: a bf16 pair (one register) by one shift and one mask, where the conversion
+        took three instructions a pair (H100 SASS, triton 3.6); fp16 by its conversion."""
+        if x.dtype == gl.bfloat16:
+            return gl.inline_asm_elementwise("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [x],
+                                             dtype=gl.float32, is_pure=True, pack=2)
+        return x.to(gl.float32)
+
+    @gluon.jit
     def _logistic_times(x, q):
         """``x / (1 + 2^q)`` by ex2.approx and rcp.approx, as ``_kernels._logistic_times`` on a GPU."""
         e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [q], dtype=gl.float32, is_pure=True,
@@ -141,7 +150,7 @@ if HAVE_GLUON:
         if ACTIVATION == "relu":
             x = gl.where(x < 0.0, 0.0, x)
         elif ACTIVATION == "gelu":
-            t = gl.minimum(x * x, 36.0)
+            t = x * x
             p = 5.346370129345479e-09 * t - 3.9003021824463704e-07
             p = p * t + 1.1527107182836388e-05
             p = p * t - 0.00015997022700301174
@@ -243,17 +252,18 @@ if HAVE_GLUON:
             return b_bufs.index(s)
 
     @gluon.jit
-    def _k_step(W: gl.constexpr, a_bufs, b_bufs, ready, empty, acc, step, prev, release, STAGES: gl.constexpr,
+    def _k_step(W: gl.constexpr, a_bufs, b_bufs, ready, empty, acc, step, prev, later, STAGES: gl.constexpr,
                 B_TRANS: gl.constexpr):
-        """One K step of warpgroup ``W``: wait for the stage, issue the wgmma, retire the previous one and, if
-        ``release``, free its stage. Returns (acc, step + 1, this step's stage)."""
+        """One K step of warpgroup ``W``: wait for the stage, issue the wgmma, retire the previous one and, on a
+        tile's ``later`` steps, free the previous one's stage. A tile's first step does not read ``acc`` (the last
+        tile's, never zeroed). Returns (acc, step + 1, this step's stage)."""
         s = step % STAGES
         mbarrier.wait(ready.index(s), (step // STAGES) & 1)
         tok = warpgroup_mma(a_bufs.index(s).slice(W * HALF_M, HALF_M, dim=0), _b_operand(b_bufs, s, B_TRANS), acc,
-                            is_async=True)
+                            use_acc=later, is_async=True)
         # the previous step's product is done once one group is left in flight: its slot is free
         acc = warpgroup_mma_wait(1, deps=(tok,))
-        if release:
+        if later:
             mbarrier.arrive(empty.index(prev))
         return acc, step + 1, s
 
@@ -265,15 +275,19 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _epilogue_part(vals, part, bias, beta, layout: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr):
+                       ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr, UNIT_BETA: gl.constexpr):
         """bias (``_bias_cols``), activation and ``+ beta * residual`` on the fp32 columns of a half tile; the
-        residual is read from ``part`` (its place in ``io``) and the result written back there."""
+        residual is read from ``part`` (its place in ``io``) and the result written back there. ``UNIT_BETA``:
+        beta is 1, and the residual is added without its multiply."""
         out = gl.convert_layout(vals, layout)
         if HAS_BIAS:
-            out = out + gl.expand_dims(bias.to(gl.float32), 0)
+            out = out + gl.expand_dims(_widen(bias), 0)
         out = _activation(out, ACTIVATION)
         if HAS_RESIDUAL:
-            out = out + beta * part.load(layout).to(gl.float32)
+            if UNIT_BETA:
+                out = out + _widen(part.load(layout))
+            else:
+                out = out + beta * _widen(part.load(layout))
         part.store(out.to(part.dtype))
 
     @gluon.jit
@@ -285,7 +299,7 @@ if HAVE_GLUON:
     def _consumer(W: gl.constexpr, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta,
                   tiles_m, tiles_n, k_tiles, num_tiles, pivot_tile_m, tiles_m_all, GROUP_M: gl.constexpr,
                   STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr,
-                  HAS_RESIDUAL: gl.constexpr, ASYNC_INPUT: gl.constexpr):
+                  HAS_RESIDUAL: gl.constexpr, UNIT_BETA: gl.constexpr, ASYNC_INPUT: gl.constexpr):
         """One warpgroup: rows ``W * 64 ...`` of every tile of this program, then the epilogue of its half tile
         into its half of ``io``."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -295,9 +309,10 @@ if HAVE_GLUON:
         HALF_N: gl.constexpr = BLOCK_N // 2
         step = 0
         t = 0
+        # zeroed once: each tile's first wgmma overwrites it (use_acc=False) instead of 64 CS2R a thread a tile
+        acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
         for tile_id in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
             _, pid_n = _tile_mn(tile_id, tiles_m, tiles_n, pivot_tile_m, tiles_m_all, GROUP_M, ASYNC_INPUT)
-            acc = gl.zeros([HALF_M, BLOCK_N], gl.float32, acc_layout)
             prev = 0
             for ki in range(k_tiles):
                 acc, step, prev = _k_step(W, a_bufs, b_bufs, ready, empty, acc, step, prev, ki > 0, STAGES, B_TRANS)
@@ -316,9 +331,9 @@ if HAVE_GLUON:
             mbarrier.wait(res_ready.index(W), t & 1)
             left, right = _split_cols(acc)
             _epilogue_part(left, io.index(W).slice(0, HALF_N, dim=1), bias_left, beta, half_layout, HAS_BIAS,
-                           ACTIVATION, HAS_RESIDUAL)
+                           ACTIVATION, HAS_RESIDUAL, UNIT_BETA)
             _epilogue_part(right, io.index(W).slice(HALF_N, HALF_N, dim=1), bias_right, beta, half_layout, HAS_BIAS,
-                           ACTIVATION, HAS_RESIDUAL)
+                           ACTIVATION, HAS_RESIDUAL, UNIT_BETA)
             fence_async_shared()
             mbarrier.arrive(c_full.index(W))
             t += 1
@@ -327,8 +342,8 @@ if HAVE_GLUON:
     def fused_gemm_kernel(a_desc, b_desc, c_desc, r_desc, bias_ptr, signals, errors, M, N, K, tiles_m, pivot_tile_m,
                           rows_per_chunk, signal_value, max_spins, beta, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                           HAS_BIAS: gl.constexpr, ACTIVATION: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-                          B_TRANS: gl.constexpr, ASYNC_INPUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          WORKER_REGS: gl.constexpr):
+                          UNIT_BETA: gl.constexpr, B_TRANS: gl.constexpr, ASYNC_INPUT: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
         """``C = act(A @ B + bias) + beta * residual``, persistent over 128x256 tiles (module docstring), over
         the first ``tiles_m`` row tiles of the grouped raster (pivoted with ``ASYNC_INPUT``)."""
         dtype: gl.constexpr = a_desc.dtype
@@ -362,10 +377,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (0, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m, tiles_n,
                          k_tiles, num_tiles, pivot_tile_m, tiles_m_all, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION,
-                         HAS_RESIDUAL, ASYNC_INPUT)),
+                         HAS_RESIDUAL, UNIT_BETA, ASYNC_INPUT)),
             (_consumer, (1, a_bufs, b_bufs, io, ready, empty, res_ready, c_full, bias_ptr, N, beta, tiles_m, tiles_n,
                          k_tiles, num_tiles, pivot_tile_m, tiles_m_all, GROUP_M, STAGES, B_TRANS, HAS_BIAS, ACTIVATION,
-                         HAS_RESIDUAL, ASYNC_INPUT)),
+                         HAS_RESIDUAL, UNIT_BETA, ASYNC_INPUT)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, missed, M, tiles_m, tiles_n, k_tiles, num_tiles,
                        pivot_tile_m, tiles_m_all, signals, errors, rows_per_chunk, signal_value, max_spins, GROUP_M,
                        STAGES, B_TRANS, ASYNC_INPUT)),
@@ -396,13 +411,14 @@ def _b_trans(b: torch.Tensor) -> bool:
     return not _tma_rows(b)
 
 
-def _constexprs(bias, activation, residual, b_trans: bool, group_m: int = 8, async_input: bool = False) -> dict:
+def _constexprs(bias, activation, residual, b_trans: bool, group_m: int = 8, async_input: bool = False,
+                unit_beta: bool = False) -> dict:
     """The kernel's constexprs for one launch: ``group_m`` row tiles a group, 3 stages (the fourth's room is
-    ``io``), the async-input form or not, and registers per thread for the consumers and the two one-warp
-    workers."""
+    ``io``), whether beta is 1 (with a residual), the async-input form or not, and registers per thread for the
+    consumers and the two one-warp workers."""
     return dict(GROUP_M=group_m, STAGES=3, HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
-                HAS_RESIDUAL=residual is not None, B_TRANS=b_trans, ASYNC_INPUT=async_input, CONSUMER_REGS=232,
-                WORKER_REGS=40)
+                HAS_RESIDUAL=residual is not None, UNIT_BETA=residual is not None and unit_beta, B_TRANS=b_trans,
+                ASYNC_INPUT=async_input, CONSUMER_REGS=232, WORKER_REGS=40)
 
 
 def applies(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b) -> bool:
@@ -438,7 +454,7 @@ class GluonPlan:
 
 
 def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int, group_m: int = 8,
-              async_tiles=None) -> GluonPlan:
+              async_tiles=None, unit_beta: bool = False) -> GluonPlan:
     """The plan for ``c = act(a @ b + bias) + beta * residual`` (``applies`` holds) over rows ``[0, rows)``, or
     with ``async_tiles`` = (rows per chunk, pivot row tile, skip) over A's row tiles from the pivot tile on but the
     last ``skip`` (a row tail computes those)."""
@@ -460,8 +476,8 @@ def make_plan(a, b, c, bias, residual, activation, rows: int, num_sms: int, grou
     plan.ints = (rows, N, K, tiles_m, pivot_tile_m, rows_per_chunk)
     tiles = tiles_m * cdiv(N, BLOCK_N.value)
     plan.launch = CachedLaunch(fused_gemm_kernel, max(1, min(tiles, num_sms)),
-                               _constexprs(bias, activation, residual, plan.b_trans, group_m, async_tiles is not None),
-                               num_warps=4)
+                               _constexprs(bias, activation, residual, plan.b_trans, group_m, async_tiles is not None,
+                                           unit_beta), num_warps=4)
     return plan
 
 
@@ -503,7 +519,7 @@ def _launch(a, b, bias, activation, residual, beta, num_sms, group_m, out, async
         num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     # tk.gemm's plan and arguments, so that tests and probes run the descriptors and integers tk.gemm launches with
     plan = make_plan(a, b, c, bias, residual, activation, M, num_sms, group_m,
-                     (1000, 0, 0) if async_words else None)
+                     (1000, 0, 0) if async_words else None, beta == 1.0)
     args = launch_args(plan, a, b, c, bias, residual, float(beta), *(async_words or (None, None)), 1 << 20, 1 << 20)
     return c, (plan.launch.grid,), args, dict(plan.launch.constexprs, **plan.launch.options)
 

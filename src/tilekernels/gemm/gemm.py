@@ -258,11 +258,11 @@ def _local_rows(async_input):
     return async_input[6] if async_input is not None and len(async_input) > 6 else None
 
 
-def _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input):
+def _plan_key(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k, async_input):
     return (_async_key(async_input), a.device, a.dtype, a.shape, a.stride(), a.data_ptr() % 16 == 0, b.shape[1],
             b.stride(), b.data_ptr() % 16 == 0, c.dtype, c.stride(), c.data_ptr() % 16 == 0, tensor_key(bias),
             tensor_key(residual), tuple(tensor_key(m) for m in mul), tensor_key(scale_a), tensor_key(scale_b),
-            activation, alpha != 1.0, split_k, active_override(),
+            activation, alpha != 1.0, beta != 1.0, split_k, active_override(),
             fp32_precision() if a.dtype == torch.float32 else None)
 
 
@@ -285,7 +285,7 @@ def _gluon_takes(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale
     return _gluon.applies(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b)
 
 
-def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input,
+def _make_plan(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k, async_input,
                trace=None, cfg=None, wait_row0=0) -> _Plan:
     """``cfg``: the config to take as it is (a row tail's launch, ``_tail_call``); None picks one, and may split
     the rows into a main launch and a tail (``configs.select_plan``). ``wait_row0``: where A's row 0 sits in the
@@ -328,7 +328,8 @@ def _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b
         # (the first span[0] rows; with async input the row tiles but the last `skip` in the pivoted order)
         rows = span[0] if tail is not None and async_input is None else M
         plan.gluon = _gluon.make_plan(a, b, c, bias, residual, activation, rows, sm_count(a.device), cfg.group_m,
-                                      (async_input[1], pivot_tile_m, skip) if async_input is not None else None)
+                                      (async_input[1], pivot_tile_m, skip) if async_input is not None else None,
+                                      unit_beta=beta == 1.0)
         plan.kernel, plan.reduce, plan.use_tma = plan.gluon.launch, None, False
         return plan
     # TMA: Hopper, or the interpreter when an override asks for it (so the path is tested on CPU);
@@ -534,15 +535,15 @@ def _call(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_
     """(plan, gemm_kernel's runtime arguments, the split-K reduction's or None) for one launch (``_launch``);
     ``errors``: the error table of a launch with async input; ``cfg`` and ``wait_row0``: a row tail's config, taken
     as it is, and where its row view starts in A (``_tail_call``), else None and 0."""
-    key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b, split_k, async_input)
+    key = _plan_key(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a, scale_b, split_k, async_input)
     if trace is not None:
         key += (trace.max_events,)
     if cfg is not None:
         key += (cfg, wait_row0)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = cache_put(_PLANS, key, _make_plan(a, b, c, bias, residual, mul, activation, alpha, scale_a, scale_b,
-                                                 split_k, async_input, trace, cfg, wait_row0), _MAX_PLANS)
+        plan = cache_put(_PLANS, key, _make_plan(a, b, c, bias, residual, mul, activation, alpha, beta, scale_a,
+                                                 scale_b, split_k, async_input, trace, cfg, wait_row0), _MAX_PLANS)
     if plan.gluon is not None:
         ensure_cuda_context(a.device.index)
         if async_input is None:

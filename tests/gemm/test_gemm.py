@@ -219,24 +219,27 @@ def test_activation_after_bias(activation, device):
 
 
 @triton.jit
-def _short_gelu_kernel(x_ptr, y_ptr, n, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr):
+def _short_gelu_kernel(x_ptr, y_ptr, n, ACTIVATION: tl.constexpr, COARSE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(y_ptr + offs, apply_activation(v, ACTIVATION, True), mask=offs < n)
+    tl.store(y_ptr + offs, apply_activation(v, ACTIVATION, True, COARSE), mask=offs < n)
 
 
-def _short_gelu(x: torch.Tensor, activation: str) -> torch.Tensor:
-    """The fused epilogue's GELU for 16-bit outputs (``_kernels._gelu_short`` / ``_gelu_tanh_short``) applied
-    to fp32 ``x``."""
+def _short_gelu(x: torch.Tensor, activation: str, coarse: bool = False) -> torch.Tensor:
+    """The fused epilogue's GELU for 16-bit outputs (``_kernels._gelu_short`` / ``_gelu_tanh_short``; with
+    ``coarse``, the bf16 / fp8 outputs' ``_gelu_coarse``) applied to fp32 ``x``."""
     y = poisoned(tuple(x.shape), x.dtype, x.device)
-    _short_gelu_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), ACTIVATION=activation, BLOCK=4096)
+    _short_gelu_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), ACTIVATION=activation, COARSE=coarse,
+                                                        BLOCK=4096)
     return y
 
 
-def _check_short_gelu(device, activation: str, bound: float):
+def _check_short_gelu(device, activation: str, bound: float, coarse: bool = False, bf16_units: float = 0.0):
+    """Within ``bound * max(1, |x|)`` of fp64; with ``bf16_units``, also within that many bf16 units of GELU(x)
+    (relative to 2^(floor(log2 |GELU(x)|) - 7)) for every x >= -4.5."""
     x = torch.cat([torch.linspace(-12, 12, 240001), torch.linspace(-0.01, 0.01, 2001),
                    torch.tensor([0.0, -0.0, 3e-39, -3e-39, 1e30, -1e30, 3e38])]).to(device)
-    y = _short_gelu(x, activation).cpu().double()
+    y = _short_gelu(x, activation, coarse).cpu().double()
     xd = x.cpu().double()
     if activation == "gelu":
         exact = xd * 0.5 * torch.special.erfc(-xd / 2 ** 0.5)
@@ -248,8 +251,15 @@ def _check_short_gelu(device, activation: str, bound: float):
     allowed = bound * xd.abs().clamp(min=1.0) + exact.abs() * 2 ** -23
     worst = int(torch.argmax(err / allowed))
     assert bool((err <= allowed).all()), f"x={xd[worst].item()}: {y[worst].item()} against {exact[worst].item()}"
+    if bf16_units:
+        # normal fp32 results only: the GPU flushes denormals (ftz), as the other forms there
+        sel = (xd >= -4.5) & (exact.abs() >= 2.0 ** -126) & (xd.abs() < 1e30)
+        units = err[sel] / torch.exp2(torch.floor(torch.log2(exact[sel].abs())) - 7)
+        worst = int(torch.argmax(units))
+        assert units[worst].item() <= bf16_units, f"x={xd[sel][worst].item()}: {units[worst].item()} bf16 units"
     # inf and NaN as the erf / tanh / division forms give them (torch's GELUs return NaN for both infinities)
-    special = _short_gelu(torch.tensor([float("inf"), float("-inf"), float("nan")], device=device), activation)
+    special = _short_gelu(torch.tensor([float("inf"), float("-inf"), float("nan")], device=device), activation,
+                          coarse)
     special = special.cpu()
     assert special[0].item() == float("inf") and special[1:].isnan().all(), special
 
@@ -267,6 +277,22 @@ def test_gpu_short_gelu_against_fp64(activation, device):
     """The same on the GPU, where ex2.approx and rcp.approx (about 2^-22 relative each) stand in for the
     interpreter's exact exp2 and division."""
     _check_short_gelu(device, activation, 6e-7)
+
+
+def test_coarse_gelu_against_fp64(device):
+    """The GELU of bf16 / fp8 epilogues (``_gelu_coarse``, degree 4) against fp64: within 7.8e-5 * max(1, |x|)
+    everywhere and 0.161 of a bf16 unit of GELU(x) for x >= -4.5 (its fit: 7.67e-5 and 0.1599); the 16-bit
+    form is within 0.102 of a unit there, a bound the coarse one must miss (so the unit check can fail)."""
+    _check_short_gelu(device, "gelu", 7.8e-5, coarse=True, bf16_units=0.161)
+    _check_short_gelu(device, "gelu", 3e-7, bf16_units=0.102)
+    with pytest.raises(AssertionError, match="bf16 units"):
+        _check_short_gelu(device, "gelu", 7.8e-5, coarse=True, bf16_units=0.102)
+
+
+@gpu
+def test_gpu_coarse_gelu_against_fp64(device):
+    """The same on the GPU (ex2.approx and rcp.approx)."""
+    _check_short_gelu(device, "gelu", 7.8e-5, coarse=True, bf16_units=0.161)
 
 
 @pytest.mark.parametrize("out_kind", ["col", "padded", "step"])

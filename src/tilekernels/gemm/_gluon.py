@@ -145,10 +145,18 @@ if HAVE_GLUON:
         return x * r
 
     @gluon.jit
-    def _activation(x, ACTIVATION: gl.constexpr):
-        """The 16-bit output forms of ``_kernels.apply_activation`` (``SHORT_FORMS``), same constants."""
+    def _activation(x, ACTIVATION: gl.constexpr, COARSE: gl.constexpr):
+        """The 16-bit output forms of ``_kernels.apply_activation`` (``SHORT_FORMS``; ``COARSE``: a bf16 output,
+        gelu by ``_gelu_coarse``), same constants."""
         if ACTIVATION == "relu":
             x = gl.where(x < 0.0, 0.0, x)
+        elif ACTIVATION == "gelu" and COARSE:
+            t = x * x
+            p = 4.902491499392482e-07 * t - 8.770551340216587e-06
+            p = p * t - 0.001108256067041496
+            p = p * t + 0.10777232057321183
+            p = p * t + 2.299772925882591
+            x = _logistic_times(x, -(x * p))
         elif ACTIVATION == "gelu":
             t = x * x
             p = 5.346370129345479e-09 * t - 3.9003021824463704e-07
@@ -282,7 +290,7 @@ if HAVE_GLUON:
         out = gl.convert_layout(vals, layout)
         if HAS_BIAS:
             out = out + gl.expand_dims(_widen(bias), 0)
-        out = _activation(out, ACTIVATION)
+        out = _activation(out, ACTIVATION, part.dtype.is_bf16())
         if HAS_RESIDUAL:
             if UNIT_BETA:
                 out = out + _widen(part.load(layout))

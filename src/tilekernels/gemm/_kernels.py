@@ -40,8 +40,9 @@ def _tanh(x):
 @triton.jit
 def _gelu_short(x):
     """GELU ``x * Phi(x)`` in 12 instructions (2 of them MUFU) instead of the ~20 of libdevice's erf and its
-    coefficient selects, for epilogues that round to 16 bits (in the fused GEMM epilogue the erf was most of
-    its cost: 8192^3 bias+gelu+residual 618-625 TFLOP/s against 654-661 for bias+relu+residual, H100).
+    coefficient selects, for epilogues that round to fp16 (bf16 and fp8: ``_gelu_coarse``; in the fused GEMM
+    epilogue the erf was most of its cost: 8192^3 bias+gelu+residual 618-625 TFLOP/s against 654-661 for
+    bias+relu+residual, H100).
 
     Phi(x) = 1 / (1 + 2^(-x P(x^2))) with P a degree-6 polynomial fitted to the logit of Phi (in log2 units)
     over x^2 <= 36: |Phi error| <= 3.2e-8 over the whole line in exact arithmetic, so |GELU error| <= 9.2e-8 --

@@ -32,6 +32,7 @@ Only bf16/fp16, A row-major, B row- or column-major, C and the residual row-majo
 import torch
 
 from .._runtime import cdiv
+from ._kernels import apply_activation
 
 try:
     from triton.experimental import gluon
@@ -134,43 +135,6 @@ if HAVE_GLUON:
             return gl.inline_asm_elementwise("shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [x],
                                              dtype=gl.float32, is_pure=True, pack=2)
         return x.to(gl.float32)
-
-    @gluon.jit
-    def _logistic_times(x, q):
-        """``x / (1 + 2^q)`` by ex2.approx and rcp.approx, as ``_kernels._logistic_times`` on a GPU."""
-        e = gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [q], dtype=gl.float32, is_pure=True,
-                                      pack=1)
-        r = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=gl.float32,
-                                      is_pure=True, pack=1)
-        return x * r
-
-    @gluon.jit
-    def _activation(x, ACTIVATION: gl.constexpr, COARSE: gl.constexpr):
-        """The 16-bit output forms of ``_kernels.apply_activation`` (``SHORT_FORMS``; ``COARSE``: a bf16 output,
-        gelu by ``_gelu_coarse``), same constants."""
-        if ACTIVATION == "relu":
-            x = gl.where(x < 0.0, 0.0, x)
-        elif ACTIVATION == "gelu" and COARSE:
-            t = x * x
-            p = 4.902491499392482e-07 * t - 8.770551340216587e-06
-            p = p * t - 0.001108256067041496
-            p = p * t + 0.10777232057321183
-            p = p * t + 2.299772925882591
-            x = _logistic_times(x, -(x * p))
-        elif ACTIVATION == "gelu":
-            t = x * x
-            p = 5.346370129345479e-09 * t - 3.9003021824463704e-07
-            p = p * t + 1.1527107182836388e-05
-            p = p * t - 0.00015997022700301174
-            p = p * t - 9.32933701122274e-05
-            p = p * t + 0.1048345688660696
-            p = p * t + 2.302209396871495
-            x = _logistic_times(x, -(x * p))
-        elif ACTIVATION == "gelu_tanh":
-            x = _logistic_times(x, -(x * (x * x * 0.1029432395800235 + 2.302208198144325)))
-        elif ACTIVATION == "silu":
-            x = _logistic_times(x, x * -1.4426950408889634)
-        return x
 
     @gluon.jit
     def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, missed, M, tiles_m, tiles_n, k_tiles, num_tiles,
@@ -290,7 +254,8 @@ if HAVE_GLUON:
         out = gl.convert_layout(vals, layout)
         if HAS_BIAS:
             out = out + gl.expand_dims(_widen(bias), 0)
-        out = _activation(out, ACTIVATION, part.dtype.is_bf16())
+        # the 16-bit forms (bf16: the coarse GELU), the same code as gemm_kernel's epilogue
+        out = apply_activation(out, ACTIVATION, True, part.dtype.is_bf16())
         if HAS_RESIDUAL:
             if UNIT_BETA:
                 out = out + _widen(part.load(layout))

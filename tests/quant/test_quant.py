@@ -502,17 +502,22 @@ def test_gpu_moe_smooth_quant(H, id_dtype, quant_dtype, device, poison_allocatio
 
 # moe_smooth_quant's Gluon forward (norm/_gluon._moe_rows_smem): x streamed through a cp.async ring in shared memory
 SMEM_QUANT_CASES = [
-    # (T, H, k, x dtype, SmemQuantConfig arguments (warps, stages, programs per SM[, maxnreg]))
+    # (T, H, k, x dtype, SmemQuantConfig arguments (warps, stages, programs per SM[, maxnreg[, warp_reduce]]))
     (1000, 4096, 2, torch.bfloat16, (4, 2, 4, 128)),     # the table's configs (SMEM_QUANT_CONFIGS)
     (1000, 4096, 2, torch.float16, (4, 2, 4, 128)),      # int64 ids under the register cap
-    (500, 8192, 2, torch.float16, (8, 2, 2, 128)),
+    (500, 8192, 2, torch.float16, (8, 2, 2, 128, True)),
+    (500, 8192, 2, torch.bfloat16, (8, 2, 2, 128, True)),
     (333, 7168, 1, torch.bfloat16, (8, 2, 2)),      # H not a power of two: masked columns
+    (333, 7168, 1, torch.bfloat16, (8, 2, 2, None, True)),    # one barrier a row, k 1: one scratch buffer
     (200, 4096, 3, torch.float16, (4, 3, 2)),
     (64, 4096, 2, torch.float32, (4, 4, 2)),
+    (64, 4096, 2, torch.float32, (4, 2, 2, None, True)),
     (100, 4112, 4, torch.bfloat16, (4, 3, 3)),
     (300, 16384, 2, torch.float16, (16, 4, 1)),
-    (400, 16384, 2, torch.bfloat16, (16, 3, 1)),     # the table's 16384 config
+    (400, 16384, 2, torch.bfloat16, (16, 2, 1)),     # the table's 16384 config
+    (400, 16384, 2, torch.bfloat16, (16, 3, 1, None, True)),
     (129, 32768, 3, torch.bfloat16, (16, 2, 1)),
+    (100, 4096, 4, torch.bfloat16, (4, 2, 2, None, True)),   # warp_reduce does not apply to the many-k form
     # k > 2, the many-k form (ids re-read per row, the rows in a loop), at the table's configs
     (300, 1024, 8, torch.bfloat16, (1, 2, 16)),
     (257, 2048, 6, torch.float16, (1, 2, 8)),
@@ -567,6 +572,8 @@ def test_smem_quant_table():
     assert kern.smem_quant_config(1024, "moe", 2) is None and kern.smem_quant_config(512, "moe", 8) is None
     assert kern.smem_quant_config(32768, "moe", 2) is None and kern.smem_quant_config(32768, "moe", 8) is None
     assert kern.smem_quant_config(4096, "smooth") is None and kern.smem_quant_config(4096, None) is None
+    # one CTA barrier a row: the 8192 config only, and never a many-k one (the kernel would ignore it)
+    assert [key for key, config in table.items() if config.warp_reduce] == [("moe", 8192, False)]
     # a register cap lets the programs per SM it names fit in the SM's 64 K registers (int64 ids had taken the k <= 2
     # configs at 4096 and 8192 past them)
     for key in (("moe", 4096, False), ("moe", 8192, False)):
@@ -606,7 +613,8 @@ def test_masked_forward_table(monkeypatch):
 @pytest.mark.parametrize("quant_dtype", QUANT_DTYPES.values(), ids=QUANT_DTYPES.keys())
 @pytest.mark.parametrize("T, H, k, dtype, config", [
     pytest.param(*c, id=f"T{c[0]}H{c[1]}k{c[2]}-{DTYPE_NAMES[c[3]]}-w{c[4][0]}s{c[4][1]}p{c[4][2]}"
-                          + (f"r{c[4][3]}" if len(c[4]) > 3 else ""))
+                          + (f"r{c[4][3]}" if len(c[4]) > 3 and c[4][3] else "")
+                          + ("-wr" if len(c[4]) > 4 and c[4][4] else ""))
     for c in SMEM_QUANT_CASES])
 def test_gpu_smem_quant(T, H, k, dtype, config, quant_dtype, device, poison_allocations):
     """The Gluon forward against the fp64 reference and bit for bit against the Triton forward, with rows of

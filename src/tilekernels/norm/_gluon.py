@@ -501,14 +501,29 @@ if HAVE_GLUON:
         return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
-    def _quant_row(x, smooth, row, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX: gl.constexpr):
+    def _quant_row(x, smooth, row, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX: gl.constexpr, scratch=None,
+                   WARP_REDUCE: gl.constexpr = False):
         """Quantise one row, z = ``x`` (a token's row as read from its ring slot) * ``smooth``, into row ``row`` of q
         and row_scale, as the Triton kernel's ``_row_scales`` and ``_quantize`` do (the same operations in the same
         order: the same bits). z is held in registers from max|z| to q: the loop runs near the SM's instruction
         issue limit, and reading the slot back and multiplying again cost more than the registers (figures at
-        ``_kernels.SMEM_QUANT_CONFIGS``)."""
+        ``_kernels.SMEM_QUANT_CONFIGS``).
+
+        ``WARP_REDUCE`` (``cols`` then ``[warps, BLOCK_N / warps]``, a warp's part of the row in its own row of the
+        layout): max|z| is each warp's by shuffles, stored to ``scratch`` (``[warps]`` fp32 in shared memory), and
+        read back whole by every thread after the one CTA barrier that triton puts between the store and the
+        load. triton's reduction over the CTA takes three barriers a row and a second shuffle tree. A row's
+        ``scratch`` must not be the last row's (``_moe_rows_smem`` alternates two), or a barrier is added before
+        the store, for the last row's loads. The maximum is the same whatever the order: the same bits."""
         z = x.to(gl.float32) * smooth
-        amax = gl.reduce(gl.abs(z), 0, _max_nan)
+        if WARP_REDUCE:
+            # each warp's max by shuffles, then every thread reads all warps' from shared memory: one CTA barrier
+            warp_max = gl.reduce(gl.abs(z), 1, _max_nan)
+            scratch.store(warp_max)
+            all_layout: gl.constexpr = gl.BlockedLayout([gl.num_warps()], [32], [gl.num_warps()], [0])
+            amax = gl.reduce(scratch.load(all_layout), 0, _max_nan)
+        else:
+            amax = gl.reduce(gl.abs(z), 0, _max_nan)
         scale = gl.where(valid, gl.div_rn(amax, QMAX), float("nan"))
         nonzero = valid & (amax > 0.0) & (amax <= FP32_MAX)
         prescale = gl.where(amax < TINY_AMAX, PRESCALE, gl.where(amax <= FP32_MAX, 1.0, 0.0))
@@ -576,21 +591,48 @@ if HAVE_GLUON:
     @gluon.jit
     def _moe_rows_smem(x_ptr, smooth_ptr, topk_ptr, q_ptr, scale_ptr, T, N, num_experts, stride_xm, stride_sm,
                        stride_tk_t, stride_tk_j, QMAX: gl.constexpr, TOPK: gl.constexpr, BLOCK_N: gl.constexpr,
-                       VEC: gl.constexpr, STAGES: gl.constexpr, EVEN_N: gl.constexpr):
+                       VEC: gl.constexpr, STAGES: gl.constexpr, EVEN_N: gl.constexpr,
+                       WARP_REDUCE: gl.constexpr = False):
         """q and row_scale of moe_smooth_quant (``TOPK``: k; row ``j * T + t`` is token t's j-th expert) in a
         persistent loop over tokens (rows of x): x streams through a ring of ``STAGES`` shared-memory rows
         filled by cp.async ``STAGES - 1`` tokens ahead, so every program keeps that many rows of loads in flight
-        without holding them in registers; each output row's expert row is loaded one row ahead."""
-        layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [gl.num_warps()], [0])
+        without holding them in registers; each output row's expert row is loaded one row ahead. ``WARP_REDUCE``
+        (k <= ``HELD_TOPK``): each warp owns a contiguous part of the row, and a row's max|z| takes one CTA barrier
+        (``_quant_row``)."""
         ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         pid = gl.program_id(0)
         step = gl.num_programs(0)
-        cols = gl.arange(0, BLOCK_N, layout=layout)
-        if EVEN_N:
-            mask_n = gl.full([BLOCK_N], 1, gl.int1, layout)
+        WARPS: gl.constexpr = gl.num_warps()
+        # one CTA barrier a row (``_quant_row``): k <= HELD_TOPK only (the many-k loop's rows share one layout)
+        WR: gl.constexpr = WARP_REDUCE and TOPK <= HELD_TOPK
+        if WR:
+            # warp w owns columns [w * BLOCK_N / WARPS, (w + 1) * BLOCK_N / WARPS): a row's max is one reduction per
+            # warp, then one over the warps through shared memory
+            layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [WARPS, 1], [1, 0])
+            PART: gl.constexpr = BLOCK_N // WARPS
+            warp_ids = gl.arange(0, WARPS, layout=gl.SliceLayout(1, layout))
+            part_cols = gl.arange(0, PART, layout=gl.SliceLayout(0, layout))
+            cols = gl.expand_dims(warp_ids, 1) * PART + gl.expand_dims(part_cols, 0)
+            if EVEN_N:
+                mask_n = gl.full([WARPS, PART], 1, gl.int1, layout)
+            else:
+                mask_n = cols < N
+            ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, WARPS, PART],
+                                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            # two buffers, a row's for each parity: a row's writes need no barrier against the last row's reads
+            scratch0 = gl.allocate_shared_memory(gl.float32, [WARPS], flat)
+            scratch1 = gl.allocate_shared_memory(gl.float32, [WARPS], flat)
         else:
-            mask_n = cols < N
-        ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_N], ring_layout)
+            layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [WARPS], [0])
+            cols = gl.arange(0, BLOCK_N, layout=layout)
+            if EVEN_N:
+                mask_n = gl.full([BLOCK_N], 1, gl.int1, layout)
+            else:
+                mask_n = cols < N
+            ring = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [STAGES, BLOCK_N], ring_layout)
+            scratch0 = None
+            scratch1 = None
         # each copy group: a token's x and the next token's ids (a slot more than x's ring: a slot is refilled only
         # after a CTA barrier that every thread passed after reading it)
         ids_ring = gl.allocate_shared_memory(topk_ptr.dtype.element_ty, [STAGES + 1, 32 * gl.num_warps()], ring_layout)
@@ -635,7 +677,12 @@ if HAVE_GLUON:
                     else:
                         smooth_valid, smooth = _expert_row(smooth_ptr, ids_next, 0, num_experts, stride_sm, cols,
                                                            mask_n, KP)
-                    _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX)
+                    if j % 2 == 0:
+                        _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX,
+                                   scratch0, WR)
+                    else:
+                        _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX,
+                                   scratch1, WR)
             else:
                 for j in range(TOPK):
                     valid = smooth_valid

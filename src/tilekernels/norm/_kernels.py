@@ -868,12 +868,15 @@ class SmemQuantConfig:
     """The Gluon MoE quantising forward (``_gluon._moe_rows_smem``): a persistent loop over rows of x that stream
     through a ring of ``stages`` shared-memory rows filled by cp.async. ``maxnreg``: a register cap per thread
     (triton's option) so that ``programs_per_sm`` programs fit on an SM whatever the ids' width; None: the
-    compiler's choice."""
+    compiler's choice. ``warp_reduce``: each warp owns a contiguous part of the row, so a row's max|z| takes one
+    CTA barrier (the warps' maxima through shared memory) instead of the three of triton's CTA reduction; k <=
+    ``HELD_TOPK`` only (``_gluon._quant_row``)."""
 
     num_warps: int
     stages: int = 3
     programs_per_sm: int = 1
     maxnreg: int | None = None
+    warp_reduce: bool = False
 
 
 # MoE with more expert choices per token than this takes the Gluon loop's many-k form (its ids re-read from the
@@ -912,9 +915,16 @@ HELD_TOPK = tl.constexpr(2)
 #   rounds). ``maxnreg`` 128 holds them at 128 with no spills: int64 0.927-0.930 / 0.903-0.906, int32
 #   unchanged (0.930-0.934 / 0.905-0.908), q bit-identical. 16384 (16 warps: 128 at most anyway) is 0.738 with int64
 #   ids against 0.774 with int32; the many-k configs lose 1% (4096, k 8: 0.811-0.815 against 0.820).
+# - One CTA barrier a row (``warp_reduce``; H100, 2026-12-08, int32 ids, the same method). ncu at 16384 had put
+#   half the warps' stall samples in the row reduction's chain: shuffles, shared memory and its three barriers.
+#   Two calls: 8192 0.893-0.899 -> 0.905-0.908, so 8192 takes it. 4096 0.912-0.918 -> 0.910-0.916 and 16384
+#   0.775-0.778 -> 0.765-0.768 (there the expert rows' loads are waited for instead, ncu), so they do not. In the
+#   same runs 16384 with 2 ring slots measured 0.783 against 0.775-0.778 with 3 (the sweep of 2026-11-24 had 3
+#   ahead, before x was held per token), and takes 2. Outputs bit-identical throughout.
 SMEM_QUANT_CONFIGS = {("moe", 4096, False): SmemQuantConfig(4, stages=2, programs_per_sm=4, maxnreg=128),
-                      ("moe", 8192, False): SmemQuantConfig(8, stages=2, programs_per_sm=2, maxnreg=128),
-                      ("moe", 16384, False): SmemQuantConfig(16, stages=3, programs_per_sm=1),
+                      ("moe", 8192, False): SmemQuantConfig(8, stages=2, programs_per_sm=2, maxnreg=128,
+                                                            warp_reduce=True),
+                      ("moe", 16384, False): SmemQuantConfig(16, stages=2, programs_per_sm=1),
                       ("moe", 1024, True): SmemQuantConfig(1, stages=2, programs_per_sm=16),
                       ("moe", 2048, True): SmemQuantConfig(1, stages=2, programs_per_sm=8),
                       ("moe", 4096, True): SmemQuantConfig(2, stages=2, programs_per_sm=4),

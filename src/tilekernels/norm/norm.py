@@ -161,7 +161,8 @@ def launch_forward(x, weight, bias, residual, x_bias, smooth_scale, topk_ids, ep
             programs = kern.balanced_grid(x.shape[0], smem.programs_per_sm * sm_count(device))
             plan = cache_put(_FORWARD_PLANS, key, CachedLaunch(_gluon._moe_rows_smem, programs, dict(
                 QMAX=QUANT_MAX[quant_dtype], TOPK=topk, BLOCK_N=block_n, VEC=16 // x.element_size(),
-                STAGES=smem.stages, EVEN_N=N == block_n), num_warps=smem.num_warps, maxnreg=smem.maxnreg))
+                STAGES=smem.stages, EVEN_N=N == block_n, WARP_REDUCE=smem.warp_reduce), num_warps=smem.num_warps,
+                maxnreg=smem.maxnreg))
     if plan is None:
         config = kern.forward_config(N, device, kind)
         if quant_only and kern.lean_quant(config, kind, N):

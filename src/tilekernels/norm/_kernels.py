@@ -917,7 +917,7 @@ HELD_TOPK = tl.constexpr(2)
 #   ids against 0.774 with int32; the many-k configs lose 1% (4096, k 8: 0.811-0.815 against 0.820).
 # - One CTA barrier a row (``warp_reduce``; H100, 2026-12-08, int32 ids, the same method). ncu at 16384 had put
 #   half the warps' stall samples in the row reduction's chain: shuffles, shared memory and its three barriers.
-#   Two calls: 8192 0.893-0.899 -> 0.905-0.908, so 8192 takes it. 4096 0.912-0.918 -> 0.910-0.916 and 16384
+#   Three calls: 8192 0.893-0.899 -> 0.900-0.908, so 8192 takes it. 4096 0.912-0.918 -> 0.910-0.916 and 16384
 #   0.775-0.778 -> 0.765-0.768 (there the expert rows' loads are waited for instead, ncu), so they do not. In the
 #   same runs 16384 with 2 ring slots measured 0.783 against 0.775-0.778 with 3 (the sweep of 2026-11-24 had 3
 #   ahead, before x was held per token), and takes 2. Outputs bit-identical throughout.

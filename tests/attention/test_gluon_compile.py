@@ -199,7 +199,7 @@ def _compile_quant(N: int, dtype: str, quant_dtype: str, k: int, ids_dtype: str)
                 stride_xm=N, stride_sm=N, stride_tk_t=k, stride_tk_j=1)
     return _compile_sm90(_gluon._moe_rows_smem, args, dict(
         QMAX=QUANT_MAX[q_dtype], TOPK=k, BLOCK_N=block_n, VEC=16 // x_dtype.itemsize, STAGES=config.stages,
-        EVEN_N=N == block_n), num_warps=config.num_warps, maxnreg=config.maxnreg)
+        EVEN_N=N == block_n, WARP_REDUCE=config.warp_reduce), num_warps=config.num_warps, maxnreg=config.maxnreg)
 
 
 def _main() -> None:

@@ -677,12 +677,8 @@ if HAVE_GLUON:
                     else:
                         smooth_valid, smooth = _expert_row(smooth_ptr, ids_next, 0, num_experts, stride_sm, cols,
                                                            mask_n, KP)
-                    if j % 2 == 0:
-                        _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX,
-                                   scratch0, WR)
-                    else:
-                        _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX,
-                                   scratch1, WR)
+                    _quant_row(x, row_smooth, j * T + token, valid, q_ptr, scale_ptr, N, cols, mask_n, QMAX,
+                               scratch0 if j % 2 == 0 else scratch1, WR)
             else:
                 for j in range(TOPK):
                     valid = smooth_valid
